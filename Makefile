@@ -1,0 +1,31 @@
+# Every target sets itself up: a venv in .venv with the pinned CPU install.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.vllm-wa-installed
+
+.PHONY: setup test demo bench-queue bench-controller clean
+
+$(STAMP): requirements/cpu.lock.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --no-deps -r requirements/cpu.lock.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -c "import vllm, vllm_wa; print('vllm', vllm.__version__, '/ vllm-wa', vllm_wa.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m vllm_wa.cli demo
+
+bench-queue: $(STAMP)
+	$(PY) benchmarks/bench_queue.py
+
+bench-controller: $(STAMP)
+	$(PY) benchmarks/bench_controller.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

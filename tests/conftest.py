@@ -1,0 +1,94 @@
+"""Shared builders for tests that drive vLLM's real v1 KV-cache classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
+
+
+class FakeClock:
+    """A settable clock: replays and tests drive the queue with their own time."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> float:
+        self.t += dt
+        return self.t
+
+
+@pytest.fixture(autouse=True)
+def _init_none_hash():
+    init_none_hash(sha256)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_kv_cache_config(block_size: int, num_blocks: int) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
+            )
+        ],
+    )
+
+
+def make_manager(num_blocks: int, block_size: int = 16, **kwargs) -> KVCacheManager:
+    kwargs.setdefault("enable_caching", True)
+    return KVCacheManager(
+        make_kv_cache_config(block_size, num_blocks),
+        max_model_len=8192,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        **kwargs,
+    )
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    block_size: int = 16,
+    tag: object = None,
+    extra_args: dict | None = None,
+) -> Request:
+    if extra_args is None and tag is not None:
+        extra_args = {"type_info": tag}
+    sp = SamplingParams(max_tokens=8, extra_args=extra_args)
+    sp.update_from_generation_config({}, eos_token_id=100)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def run_prefill(manager: KVCacheManager, request: Request) -> int:
+    """Look the prompt up, allocate it and cache it; returns the hit tokens."""
+    blocks, num_hit, _ = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+    assert new is not None, f"{request.request_id} did not fit"
+    request.num_computed_tokens = request.num_tokens
+    return num_hit
+
+
+def finish(manager: KVCacheManager, request: Request, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+    request.status = status
+    manager.free(request)

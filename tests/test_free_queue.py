@@ -1,0 +1,363 @@
+"""The workload-aware queue against vLLM's queue and against a brute-force model."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from conftest import FakeClock
+from vllm_wa.engine_patch import WorkloadAwareFreeQueue
+from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.workload_classes import ClassRegistry
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def _registry(n_classes: int) -> tuple[ClassRegistry, list[int]]:
+    reg = ClassRegistry()
+    return reg, [reg.id_of(f"c{i}") for i in range(n_classes)]
+
+
+class TwinQueues:
+    """vLLM's queue and the WA queue over twin block lists, driven identically."""
+
+    def __init__(self, n: int, params: WAParams | None, n_classes: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.clock = FakeClock()
+        self.reg, self.cids = _registry(n_classes)
+        self.vb = [KVCacheBlock(i) for i in range(n)]
+        self.wb = [KVCacheBlock(i) for i in range(n)]
+        self.vq = FreeKVCacheBlockQueue(self.vb)
+        self.wq = WorkloadAwareFreeQueue(self.wb, params, clock=self.clock, registry=self.reg)
+        self.held: list[int] = []
+        self.next_hash = 0
+
+    def step(self) -> None:
+        rng, vq, wq = self.rng, self.vq, self.wq
+        self.clock.advance(rng.choice([0.0, 0.5, 3.0]))
+        op = rng.random()
+        if op < 0.35 and vq.num_free_blocks:
+            k = rng.randint(1, min(6, vq.num_free_blocks))
+            got_v, got_w = vq.popleft_n(k), wq.popleft_n(k)
+            assert ids(got_v) == ids(got_w)
+            for b in got_v:
+                self.held.append(b.block_id)
+                # Evicted: the pool drops the old hash; most refill as cached blocks.
+                for blocks in (self.vb, self.wb):
+                    blocks[b.block_id]._block_hash = None
+                if rng.random() < 0.8:
+                    self.next_hash += 1
+                    for blocks in (self.vb, self.wb):
+                        blocks[b.block_id]._block_hash = self.next_hash.to_bytes(8, "little")
+        elif op < 0.7 and self.held:
+            k = rng.randint(1, len(self.held))
+            chosen = rng.sample(self.held, k)
+            for bid in chosen:
+                self.held.remove(bid)
+                self.wq.block_class[bid] = rng.choice(self.cids)
+            hashed = [bid for bid in chosen if self.vb[bid]._block_hash is not None]
+            unhashed = [bid for bid in chosen if self.vb[bid]._block_hash is None]
+            # What BlockPool.free_blocks does: unhashed to the front, hashed to the back.
+            vq.prepend_n([self.vb[i] for i in unhashed])
+            wq.prepend_n([self.wb[i] for i in unhashed])
+            vq.append_n([self.vb[i] for i in hashed])
+            wq.append_n([self.wb[i] for i in hashed])
+        elif op < 0.9:
+            free_hashed = [b.block_id for b in vq.get_all_free_blocks() if b._block_hash is not None]
+            if free_hashed:
+                bid = rng.choice(free_hashed)
+                vq.remove(self.vb[bid])
+                wq.remove(self.wb[bid])
+                self.held.append(bid)
+        else:
+            assert ids(vq.get_all_free_blocks()) == ids(wq.get_all_free_blocks())
+        assert vq.num_free_blocks == wq.num_free_blocks
+
+
+@pytest.mark.parametrize("n_classes", [1, 3, 8])
+@pytest.mark.parametrize("seed", range(6))
+def test_uniform_params_order_exactly_like_lru(n_classes, seed):
+    """With one class, or every class on the same model, WA is vLLM's LRU."""
+    params = None if seed % 2 else WAParams(
+        models={f"c{i}": ReuseModel.exponential(0.4, 0.2) for i in range(n_classes)},
+        default=ReuseModel.exponential(0.4, 0.2),
+        mode="posterior" if seed % 3 else "pr",
+    )
+    twins = TwinQueues(64, params, n_classes, seed)
+    for _ in range(400):
+        twins.step()
+    twins.wq.check_invariants()
+    assert ids(twins.vq.get_all_free_blocks()) == ids(twins.wq.get_all_free_blocks())
+
+
+def test_single_class_with_wa_params_is_lru():
+    """A single class: scores only depend on idle time, so order is FIFO."""
+    params = WAParams(models={"c0": ReuseModel((0.3, 0.5), (1.0, 0.01))}, mode="posterior")
+    twins = TwinQueues(48, params, 1, seed=11)
+    for _ in range(300):
+        twins.step()
+    assert ids(twins.vq.get_all_free_blocks()) == ids(twins.wq.get_all_free_blocks())
+
+
+# ---- brute-force reference model ------------------------------------------------------------
+
+MODELS = [
+    ReuseModel.exponential(0.9, 0.05),
+    ReuseModel.exponential(0.2, 1.3),
+    ReuseModel.exponential(0.55, 0.37),
+    ReuseModel((0.3, 0.4), (2.0, 0.02)),
+    ReuseModel.exponential(0.0, 0.5),
+]
+
+
+class ReferenceQueue:
+    """Evicts the free block with the lowest (score, insertion seq), by brute force."""
+
+    def __init__(self, n: int, params: WAParams, reg: ClassRegistry) -> None:
+        self.params, self.reg = params, reg
+        self.nohash: list[int] = list(range(n))
+        self.hashed: dict[int, tuple[int, float, int]] = {}  # bid -> (cls, free time, seq)
+        self.seq = 0
+
+    def append(self, bids: list[int], classes: list[int], now: float) -> None:
+        for bid, c in zip(bids, classes):
+            self.seq += 1
+            self.hashed[bid] = (c, now, self.seq)
+
+    def prepend(self, bids: list[int]) -> None:
+        self.nohash[:0] = bids
+
+    def remove(self, bid: int) -> None:
+        self.hashed.pop(bid)
+
+    def pop(self, k: int, now: float) -> list[int]:
+        out = []
+        for _ in range(k):
+            if self.nohash:
+                out.append(self.nohash.pop(0))
+                continue
+
+            def key(bid):
+                c, t, seq = self.hashed[bid]
+                return (self.params.scorer_for(self.reg.name_of(c)).log_score(now - t), seq)
+
+            best = min(self.hashed, key=key)
+            del self.hashed[best]
+            out.append(best)
+        return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    n_classes=st.integers(1, 5),
+    mode=st.sampled_from(["pr", "posterior"]),
+    horizon=st.sampled_from([1.0, 5.0, 60.0]),
+)
+def test_matches_brute_force_model(data, n_classes, mode, horizon):
+    reg, cids = _registry(n_classes)
+    models = {f"c{i}": data.draw(st.sampled_from(MODELS)) for i in range(n_classes)}
+    params = WAParams(models=models, horizon=horizon, mode=mode)
+    n = 24
+    clock = FakeClock()
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    # Exact scoring at every eviction: no stale selection.
+    q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg, score_staleness=0.0)
+    ref = ReferenceQueue(n, params, reg)
+    held: list[int] = []
+    h = 0
+    for _ in range(data.draw(st.integers(5, 60))):
+        clock.advance(data.draw(st.sampled_from([0.0, 1.0, 2.0, 7.0, 30.0])))
+        op = data.draw(st.sampled_from(["pop", "free", "free", "hit"]))
+        if op == "pop" and q.num_free_blocks:
+            k = data.draw(st.integers(1, min(5, q.num_free_blocks)))
+            got = ids(q.popleft_n(k))
+            assert got == ref.pop(k, clock.t)
+            for bid in got:
+                h += 1
+                blocks[bid]._block_hash = h
+            held.extend(got)
+        elif op == "free" and held:
+            chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=6, unique=True))
+            classes = [data.draw(st.sampled_from(cids)) for _ in chosen]
+            for bid, c in zip(chosen, classes):
+                held.remove(bid)
+                q.block_class[bid] = c
+            q.append_n([blocks[b] for b in chosen])
+            ref.append(chosen, classes, clock.t)
+        elif op == "hit" and ref.hashed:
+            bid = data.draw(st.sampled_from(sorted(ref.hashed)))
+            q.remove(blocks[bid])
+            ref.remove(bid)
+            held.append(bid)
+        q.check_invariants()
+    # The full remaining order agrees too.
+    expect = ref.pop(len(ref.nohash) + len(ref.hashed), clock.t)
+    assert ids(q.get_all_free_blocks()) == expect
+
+
+def test_older_block_of_a_class_never_outranks_newer():
+    reg, (a, b) = _registry(2)
+    params = WAParams(
+        models={"c0": ReuseModel((0.5, 0.3), (1.0, 0.001)), "c1": ReuseModel.exponential(0.9, 0.1)},
+        mode="posterior",
+    )
+    clock = FakeClock()
+    blocks = [KVCacheBlock(i) for i in range(40)]
+    q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg)
+    got = q.popleft_n(40)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+        q.block_class[blk.block_id] = a if i % 2 else b
+        clock.advance(1.0)
+        q.append_n([blk])
+    clock.advance(10.0)
+    order = q.get_all_free_blocks()
+    for cls in (a, b):
+        stamps = [q.stamp[x.block_id] for x in order if q.block_class[x.block_id] == cls]
+        assert stamps == sorted(stamps)
+
+
+def test_class_with_faster_reuse_is_kept_when_idle_is_short():
+    """The PR's score: what matters is the chance of reuse within the horizon."""
+    reg, (fast, slow) = _registry(2)
+    params = WAParams(
+        models={"c0": ReuseModel.exponential(0.9, 1.0 / 5), "c1": ReuseModel.exponential(0.9, 1.0 / 600)},
+        horizon=5.0,
+    )
+    clock = FakeClock(100.0)
+    blocks = [KVCacheBlock(i) for i in range(8)]
+    q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg)
+    got = q.popleft_n(8)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+        q.block_class[blk.block_id] = fast if i < 4 else slow
+    q.append_n(got[4:])  # slow class freed first (older)
+    clock.advance(1.0)
+    q.append_n(got[:4])
+    clock.advance(1.0)
+    # Within the next 5 s a 1-second-idle fast block is reused with
+    # probability ~0.47, a slow block with ~0.007: the slow class goes first.
+    assert [q.block_class[b.block_id] for b in q.popleft_n(4)] == [slow] * 4
+    clock.advance(60.0)
+    # After a minute idle, the fast class's blocks are stale: their score has
+    # decayed below the slow class's, so they go before the slow class.
+    q2_order = [q.block_class[b.block_id] for b in q.get_all_free_blocks()]
+    assert q2_order == [fast] * 4
+
+
+def test_set_params_from_another_thread_keeps_queue_consistent():
+    reg, cids = _registry(4)
+    variants = [
+        WAParams(models={f"c{i}": MODELS[(i + k) % 4] for i in range(4)}, mode=m, version=k)
+        for k, m in enumerate(["pr", "posterior", "pr", "posterior"])
+    ] + [WAParams.lru()]
+    clock = FakeClock()
+    blocks = [KVCacheBlock(i) for i in range(256)]
+    q = WorkloadAwareFreeQueue(blocks, variants[0], clock=clock, registry=reg)
+    stop = threading.Event()
+    swaps = [0]
+
+    def swapper():
+        i = 0
+        while not stop.is_set():
+            q.set_params(variants[i % len(variants)])
+            swaps[0] += 1
+            i += 1
+
+    t = threading.Thread(target=swapper)
+    t.start()
+    rng = random.Random(3)
+    held: list[KVCacheBlock] = []
+    try:
+        for step in range(4000):
+            clock.advance(0.1)
+            if held and (rng.random() < 0.5 or not q.num_free_blocks):
+                k = rng.randint(1, len(held))
+                batch, held = held[:k], held[k:]
+                for b in batch:
+                    q.block_class[b.block_id] = rng.choice(cids)
+                q.append_n(batch)
+            else:
+                got = q.popleft_n(min(q.num_free_blocks, rng.randint(1, 8)))
+                for b in got:
+                    b._block_hash = step * 1000 + b.block_id
+                held.extend(got)
+    finally:
+        stop.set()
+        t.join()
+    assert swaps[0] > 10
+    q.check_invariants()
+    assert q.num_free_blocks + len(held) == 256
+
+
+def test_refile_moves_blocks_and_keeps_stamp_order():
+    reg, (a, b) = _registry(2)
+    clock = FakeClock()
+    blocks = [KVCacheBlock(i) for i in range(10)]
+    q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
+    got = q.popleft_n(10)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+    for i, blk in enumerate(got):
+        q.block_class[blk.block_id] = a if i < 5 else b
+        clock.advance(1.0)
+        q.append_n([blk])
+    # blocks 0,1 (class a, oldest) move into class b, between nothing older.
+    moved = q.refile([got[0], got[2]], b)
+    assert moved == 2
+    q.check_invariants()
+    order_b = [x.block_id for x in q.get_all_free_blocks() if q.block_class[x.block_id] == b]
+    assert order_b == [got[0].block_id, got[2].block_id] + [x.block_id for x in got[5:]]
+    # Uniform params: global order is still by free time.
+    assert ids(q.get_all_free_blocks()) == ids(got)
+    assert q.counters.reclassified == 2
+
+
+def test_iter_blocks_after_follows_eviction_order():
+    clock = FakeClock()
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    q = WorkloadAwareFreeQueue(blocks, None, clock=clock)
+    order = q.get_all_free_blocks()
+    assert ids(q.iter_blocks_after(None)) == ids(order)
+    assert ids(q.iter_blocks_after(order[2])) == ids(order[3:])
+    taken = q.popleft()
+    assert list(q.iter_blocks_after(taken)) == []
+
+
+def test_popleft_on_empty_raises():
+    q = WorkloadAwareFreeQueue([KVCacheBlock(0)], None, clock=FakeClock())
+    q.popleft()
+    with pytest.raises(ValueError):
+        q.popleft()
+
+
+def test_remove_of_non_free_block_raises():
+    q = WorkloadAwareFreeQueue([KVCacheBlock(0), KVCacheBlock(1)], None, clock=FakeClock())
+    b = q.popleft()
+    with pytest.raises(RuntimeError):
+        q.remove(b)
+
+
+def test_counters_track_free_and_evicted_per_class():
+    reg, (a, b) = _registry(2)
+    clock = FakeClock()
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
+    got = q.popleft_n(6)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+        q.block_class[blk.block_id] = a if i < 4 else b
+    q.append_n(got)
+    assert q.counters.freed[a] == 4 and q.counters.freed[b] == 2
+    q.popleft_n(5)
+    assert q.counters.evicted[a] == 4 and q.counters.evicted[b] == 1
+    assert math.isclose(sum(q.counters.evicted), 5)

@@ -1,0 +1,19 @@
+"""The workload-aware free queue and the hooks that install it into vLLM."""
+
+from vllm_wa.engine_patch.events import (
+    BlockEvent,
+    EventKind,
+    EventSink,
+    FinishedEvent,
+    LookupEvent,
+)
+from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+
+__all__ = [
+    "BlockEvent",
+    "EventKind",
+    "EventSink",
+    "FinishedEvent",
+    "LookupEvent",
+    "WorkloadAwareFreeQueue",
+]

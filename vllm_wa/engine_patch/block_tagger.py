@@ -1,0 +1,278 @@
+"""Which request last used each block, and so which class it is freed into.
+
+The engine hooks (and the replay drivers, through the same object) call
+:meth:`BlockTagger.on_lookup` when a request's prompt is matched against the
+prefix cache and :meth:`BlockTagger.on_free` just before its blocks go back
+to the pool.  The tagger files every block under the class computed by a
+replaceable class-key function of the request, the block's position in it and
+how often the block has been reused, and emits the per-request events.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, LookupEvent
+from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
+
+# Reply outcomes, known to the engine (stop, length, abort) or reported to it
+# after the API server parsed the reply (tool).
+OUTCOMES = ("tool", "stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTags:
+    """What the class key may know about a request."""
+
+    request_id: str
+    tag: str = DEFAULT_CLASS
+    outcome: str | None = None
+
+
+class ClassKeyFunction(Protocol):
+    """Class name of a block from its request, position and reuse count.
+
+    ``uses_block_features`` False promises the result depends on the request
+    only, so it is computed once per request instead of once per block.
+    """
+
+    uses_block_features: bool
+
+    def __call__(self, request: RequestTags, position: int, reuse_count: int) -> str: ...
+
+
+class TagClassKey:
+    """The PR's class key: the client's tag alone."""
+
+    uses_block_features = False
+
+    def __call__(self, request: RequestTags, position: int, reuse_count: int) -> str:
+        return request.tag
+
+
+@dataclass
+class _FreedRequest:
+    tags: RequestTags
+    serial: int
+    block_ids: list[int]
+
+
+class BlockTagger:
+    """Assigns classes to blocks on behalf of one :class:`WorkloadAwareFreeQueue`.
+
+    Args:
+        queue: the queue whose ``block_class`` array is written.
+        blocks: all blocks of the pool, indexed by ``block_id``.
+        sink: where lookup and finished events go (None: none).
+        class_key: the class-key function (default: the tag alone).
+        remember_finished: how many freed requests :meth:`reclassify` can reach.
+    """
+
+    def __init__(
+        self,
+        queue: WorkloadAwareFreeQueue,
+        blocks: Sequence[KVCacheBlock],
+        *,
+        sink: EventSink | None = None,
+        class_key: ClassKeyFunction | None = None,
+        remember_finished: int = 4096,
+    ) -> None:
+        self.queue = queue
+        self.blocks = blocks
+        self.sink = sink
+        self.class_key: ClassKeyFunction = class_key if class_key is not None else TagClassKey()
+        self.tag_counters = TagCounters()
+        n = len(queue.block_class)
+        self.reuse_count = [0] * n
+        # The hash a block had when its reuse count was last updated: a block
+        # that was evicted and refilled starts counting again.
+        self._counted_hash: list[Any] = [None] * n
+        self._owner = [0] * n
+        self._serial = 0
+        self._looked_up: dict[str, int] = {}
+        self._finished: OrderedDict[str, _FreedRequest] = OrderedDict()
+        self._pending_outcome: OrderedDict[str, str] = OrderedDict()
+        self._remember = max(1, int(remember_finished))
+        self.reclassified_requests = 0
+
+    # ---- tags ----------------------------------------------------------------------
+
+    def request_tags(self, request_id: str, raw_tag: Any, outcome: str | None = None) -> RequestTags:
+        """Validated tags of a request (bad tags are counted, never raised)."""
+        return RequestTags(request_id, normalize_tag(raw_tag, self.tag_counters), outcome)
+
+    def set_class_key(self, class_key: ClassKeyFunction) -> None:
+        """Swap the class-key function (takes effect at the next free)."""
+        self.class_key = class_key
+
+    # ---- hooks -----------------------------------------------------------------------
+
+    def on_lookup(
+        self,
+        req: RequestTags,
+        hit_blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Any],
+        now: float | None = None,
+        to_key: Callable[[Any], Any] | None = None,
+    ) -> None:
+        """A request's prompt was matched: ``hit_blocks`` is its cached prefix.
+
+        ``block_hashes`` are the prompt's block hashes; ``to_key`` maps the
+        ones reported in the event to the form blocks hold (vLLM adds the
+        KV-cache group id).
+
+        Counted once per request until it is freed (the scheduler may look a
+        waiting request up several times).
+        """
+        rid = req.request_id
+        if rid in self._looked_up:
+            return
+        self._looked_up[rid] = len(hit_blocks)
+        self.count_reuse(hit_blocks)
+        sink = self.sink
+        if sink is None:
+            return
+        if sink.lookup_hashes == "none":
+            hashes: tuple = ()
+        elif sink.lookup_hashes == "all":
+            hashes = tuple(enumerate(block_hashes))
+        else:
+            is_sampled = sink.is_sampled
+            hashes = tuple((i, h) for i, h in enumerate(block_hashes) if is_sampled(h))
+        if to_key is not None:
+            hashes = tuple((i, to_key(h)) for i, h in hashes)
+        sink.emit(
+            LookupEvent(
+                EventKind.LOOKUP,
+                self.queue.clock() if now is None else now,
+                rid,
+                req.tag,
+                self.queue.registry.id_of(self.class_key(req, 0, 0)),
+                len(hit_blocks),
+                len(block_hashes),
+                hashes,
+            )
+        )
+
+    def count_reuse(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
+        """One more prefix hit on each of ``hit_blocks``."""
+        counts, counted = self.reuse_count, self._counted_hash
+        for b in hit_blocks:
+            bid = b.block_id
+            h = b._block_hash
+            if counted[bid] != h:
+                counted[bid] = h
+                counts[bid] = 0
+            counts[bid] += 1
+
+    def on_free(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
+        """``blocks`` (in allocation order) are about to be released by ``req``."""
+        rid = req.request_id
+        self._looked_up.pop(rid, None)
+        pending = self._pending_outcome.pop(rid, None)
+        if pending is not None and req.outcome is None:
+            req = replace(req, outcome=pending)
+        self.file_blocks(req, blocks)
+        self._serial += 1
+        serial = self._serial
+        owner = self._owner
+        ids = [b.block_id for b in blocks if not b.is_null]
+        for bid in ids:
+            owner[bid] = serial
+        self._finished[rid] = _FreedRequest(req, serial, ids)
+        self._finished.move_to_end(rid)
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
+        sink = self.sink
+        if sink is not None:
+            sink.emit(
+                FinishedEvent(
+                    EventKind.FINISHED,
+                    self.queue.clock() if now is None else now,
+                    rid,
+                    req.tag,
+                    req.outcome,
+                    len(ids),
+                )
+            )
+
+    def file_blocks(self, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+        """Write the class (and sampling flag) each block is freed into."""
+        queue = self.queue
+        cls_of = queue.block_class
+        sampled = queue.sampled
+        sink = self.sink
+        want_flags = sink is not None and not sink.samples_all
+        key = self.class_key
+        reg_id = queue.registry.id_of
+        counts, counted = self.reuse_count, self._counted_hash
+        if not key.uses_block_features:
+            cid = reg_id(key(req, 0, 0))
+            for b in blocks:
+                cls_of[b.block_id] = cid
+        else:
+            for pos, b in enumerate(blocks):
+                bid = b.block_id
+                if counted[bid] != b._block_hash:
+                    counted[bid] = b._block_hash
+                    counts[bid] = 0
+                cls_of[bid] = reg_id(key(req, pos, counts[bid]))
+        if want_flags:
+            is_sampled = sink.is_sampled
+            for b in blocks:
+                h = b._block_hash
+                sampled[b.block_id] = h is not None and is_sampled(h)
+
+    # ---- late facts --------------------------------------------------------------------
+
+    def reclassify(self, request_id: str, outcome: str) -> int:
+        """Record a late fact about a request's reply and refile its free blocks.
+
+        If the request has not released its blocks yet, the outcome is kept
+        and applied when it does.  Returns the number of blocks moved.
+        """
+        rec = self._finished.get(request_id)
+        if rec is None:
+            self._pending_outcome[request_id] = outcome
+            while len(self._pending_outcome) > self._remember:
+                self._pending_outcome.popitem(last=False)
+            return 0
+        req = replace(rec.tags, outcome=outcome)
+        rec.tags = req
+        self.reclassified_requests += 1
+        queue = self.queue
+        owner = self._owner
+        blocks = self.blocks
+        key = self.class_key
+        reg_id = queue.registry.id_of
+        # Group this request's still-free blocks by their new class.
+        by_class: dict[int, list[KVCacheBlock]] = {}
+        for pos, bid in enumerate(rec.block_ids):
+            if owner[bid] != rec.serial:
+                continue
+            b = blocks[bid]
+            if b.next_free_block is None:
+                continue
+            cid = reg_id(key(req, pos, self.reuse_count[bid]))
+            by_class.setdefault(cid, []).append(b)
+        # Blocks that are still held get their new class when freed.
+        for pos, bid in enumerate(rec.block_ids):
+            if owner[bid] == rec.serial and blocks[bid].next_free_block is None:
+                queue.block_class[bid] = reg_id(key(req, pos, self.reuse_count[bid]))
+        moved = 0
+        for cid, bs in by_class.items():
+            # Refile in free order (oldest first) so scans from the tail stay short.
+            bs.sort(key=lambda b: queue.stamp[b.block_id])
+            moved += queue.refile(bs, cid)
+        return moved
+
+    def forget(self, request_id: str) -> None:
+        """Drop lookup state of a request that left without being freed."""
+        self._looked_up.pop(request_id, None)
+

@@ -1,0 +1,522 @@
+"""A workload-aware drop-in for vLLM's ``FreeKVCacheBlockQueue``.
+
+Free blocks are kept in one intrusive FIFO list per workload class (using the
+``prev_free_block``/``next_free_block`` fields of ``KVCacheBlock``, like
+vLLM's queue, so no Python object is allocated per operation), plus one list
+of blocks without a hash that are always handed out first, as in vLLM.
+
+On eviction only the list heads are compared: each class's head is its
+longest-idle block, and a class's score never increases with idle time, so
+the head is the class's best victim.  The lowest ``(score, free stamp)`` goes.
+Runs of victims from one class are taken without rescoring each block: the
+run continues while the next block's free stamp is older than a threshold
+derived once from the runner-up's score.
+
+Per-block state (class, free stamp, sampling flag) lives in arrays indexed by
+``block_id`` because ``KVCacheBlock`` has ``__slots__``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink
+from vllm_wa.params import ClassScorer, ParamsError, WAParams
+from vllm_wa.workload_classes import DEFAULT_CLASS, ClassRegistry
+
+Clock = Callable[[], float]
+_INF = math.inf
+
+
+@dataclass
+class _ActiveParams:
+    """Parameters compiled for the queue; replaced, never mutated, on a swap."""
+
+    params: WAParams
+    registry: ClassRegistry
+    uniform: bool
+    _scorers: dict[int, ClassScorer] = field(default_factory=dict)
+
+    def scorer(self, cid: int) -> ClassScorer:
+        s = self._scorers.get(cid)
+        if s is None:
+            s = self.params.scorer_for(self.registry.name_of(cid))
+            self._scorers[cid] = s
+        return s
+
+
+@dataclass
+class QueueCounters:
+    """Per-class totals of free-list transitions (all blocks, not sampled).
+
+    ``reused`` is counted by the block tagger at the prefix lookup, which
+    knows the request; the queue's ``remove`` stays as cheap as vLLM's.
+    """
+
+    freed: list[int]
+    reused: list[int]
+    evicted: list[int]
+    reclassified: int = 0
+
+
+class WorkloadAwareFreeQueue:
+    """Free-block queue that evicts the block least likely to be reused soon.
+
+    Args:
+        blocks: the free blocks, as for ``FreeKVCacheBlockQueue``.
+        params: initial parameters (LRU-equivalent when None).
+        clock: seconds, monotonic; replays pass trace time.
+        registry: class-name registry shared with whoever tags blocks.
+        sink: where sampled eviction/free events go (None: no events).
+        num_block_ids: size of the per-block arrays (default: max id + 1),
+            for pools whose first free block is not the highest id.
+        score_staleness: seconds a victim selection may be reused before it
+            is rescored (scores move on the scale of seconds; rescoring every
+            head on every single-block allocation would cost more than the
+            eviction itself).
+    """
+
+    def __init__(
+        self,
+        blocks: list[KVCacheBlock],
+        params: WAParams | None = None,
+        *,
+        clock: Clock = time.monotonic,
+        registry: ClassRegistry | None = None,
+        sink: EventSink | None = None,
+        num_block_ids: int | None = None,
+        score_staleness: float = 1e-3,
+    ) -> None:
+        self.clock = clock
+        self.registry = registry if registry is not None else ClassRegistry()
+        self.sink = None
+        n_ids = max((b.block_id for b in blocks), default=-1) + 1
+        if num_block_ids is not None:
+            if num_block_ids < n_ids:
+                raise ValueError(f"num_block_ids={num_block_ids} but a block has id {n_ids - 1}")
+            n_ids = num_block_ids
+        self.num_classes_cap = cap = self.registry.max_classes
+        # Class a block is filed under when it is next freed (written by the
+        # block tagger); for a free block, the class list it sits in.
+        self.block_class: list[int] = [self.registry.id_of(DEFAULT_CLASS)] * n_ids
+        # Free stamp: when the block entered the free list.  Stamps increase
+        # strictly from one appended run to the next, so ties between classes
+        # break in insertion (LRU) order; blocks of one run share a stamp and
+        # keep their list order.
+        self.stamp: list[float] = [0.0] * n_ids
+        # Per-block "events wanted" flag (hash-sampled), set by the tagger.
+        self.sampled = bytearray(n_ids)
+        self._last_stamp = -_INF
+        self.score_staleness = float(score_staleness)
+
+        self._nohash = cap  # list index of blocks without a hash
+        self._heads = [KVCacheBlock(block_id=-1) for _ in range(cap + 1)]
+        self._tails = [KVCacheBlock(block_id=-1) for _ in range(cap + 1)]
+        for h, t in zip(self._heads, self._tails):
+            h.next_free_block = t
+            t.prev_free_block = h
+        self._live: list[int] = []  # classes that have ever held a block
+        self._is_live = bytearray(cap + 1)
+        self.counters = QueueCounters([0] * cap, [0] * cap, [0] * cap)
+        self._active = self._compile(params if params is not None else WAParams.lru())
+        # Cached victim selection: blocks at the head of ``_sel_class`` with a
+        # stamp below ``_sel_below`` beat every other class's head.
+        self._sel_dirty = True
+        self._sel_time = -_INF
+        self._sel_active: _ActiveParams | None = None
+        self._sel_class = -1
+        self._sel_below = -_INF
+
+        # Like vLLM: the given blocks start free, in the given order.  Blocks
+        # without a hash go to the evict-first list; blocks that already hold
+        # a hash (installing into a live pool) join their class.
+        self.num_free_blocks = 0
+        blocks = list(blocks)
+        hashed = [b for b in blocks if b._block_hash is not None]
+        self._link_run(self._nohash, [b for b in blocks if b._block_hash is None], at_front=False)
+        self.num_free_blocks = len(blocks) - len(hashed)
+        self.append_n(hashed)
+        self.counters.freed = [0] * cap
+        self.sink = sink
+
+    # ---- parameters -----------------------------------------------------------
+
+    def _compile(self, params: WAParams) -> _ActiveParams:
+        if not isinstance(params, WAParams):
+            raise ParamsError(f"expected WAParams, got {type(params).__name__}")
+        return _ActiveParams(params, self.registry, params.is_uniform)
+
+    @property
+    def params(self) -> WAParams:
+        return self._active.params
+
+    def set_params(self, params: WAParams) -> None:
+        """Swap parameters; safe from any thread, between or during calls.
+
+        The compiled snapshot is replaced by one reference assignment; an
+        eviction reads it once, so it uses old or new parameters, never a
+        mix.  Which blocks are free does not change.
+        """
+        self._active = self._compile(params)
+
+    # ---- the FreeKVCacheBlockQueue interface -------------------------------------
+
+    def _link_run(self, c: int, blocks: list[KVCacheBlock], *, at_front: bool) -> None:
+        """Splice ``blocks`` (in order) at the tail, or the head, of list ``c``."""
+        if at_front:
+            prev = self._heads[c]
+            after = prev.next_free_block
+        else:
+            after = self._tails[c]
+            prev = after.prev_free_block
+        for b in blocks:
+            b.prev_free_block = prev
+            prev.next_free_block = b
+            prev = b
+        prev.next_free_block = after
+        after.prev_free_block = prev
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Free blocks into their classes (first given is evicted first among equals).
+
+        vLLM appends only blocks that hold a hash (``BlockPool.free_blocks``
+        prepends the others); each goes to the class the tagger wrote for it.
+        """
+        if not blocks:
+            return
+        stamp_of = self.stamp
+        cls_of = self.block_class
+        tails = self._tails
+        freed = self.counters.freed
+        now = self.clock()
+        last_stamp = self._last_stamp
+        eps = max(1e-9, 4.0 * math.ulp(now))
+        t = now if now > last_stamp else last_stamp + eps
+        cur = cls_of[blocks[0].block_id]
+        tail = tails[cur]
+        last = tail.prev_free_block
+        if last is self._heads[cur]:
+            self._went_live(cur)
+        run = 0
+        for b in blocks:
+            bid = b.block_id
+            c = cls_of[bid]
+            if c != cur:
+                last.next_free_block = tail
+                tail.prev_free_block = last
+                freed[cur] += run
+                run = 0
+                cur = c
+                t += eps
+                tail = tails[c]
+                last = tail.prev_free_block
+                if last is self._heads[c]:
+                    self._went_live(c)
+            b.prev_free_block = last
+            last.next_free_block = b
+            last = b
+            stamp_of[bid] = t
+            run += 1
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        freed[cur] += run
+        self._last_stamp = t
+        self.num_free_blocks += len(blocks)
+        sink = self.sink
+        if sink is not None:
+            self._emit_freed(sink, blocks)
+
+    def _went_live(self, c: int) -> None:
+        """List ``c`` was empty and gets a head: the cached selection is stale."""
+        self._sel_dirty = True
+        if not self._is_live[c]:
+            self._is_live[c] = 1
+            self._live.append(c)
+
+    def _emit_freed(self, sink: EventSink, blocks: list[KVCacheBlock]) -> None:
+        sampled = self.sampled
+        all_ = sink.samples_all
+        cls_of, stamp_of = self.block_class, self.stamp
+        for b in blocks:
+            h = b._block_hash
+            if h is not None and (all_ or sampled[b.block_id]):
+                bid = b.block_id
+                sink.emit(BlockEvent(EventKind.FREED, stamp_of[bid], cls_of[bid], 0.0, h))
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the very front: they are evicted before anything else."""
+        if not blocks:
+            return
+        self._link_run(self._nohash, blocks, at_front=True)
+        self.num_free_blocks += len(blocks)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Take a free block off its list: a prefix-cache hit reuses it."""
+        prev_block = block.prev_free_block
+        next_block = block.next_free_block
+        if prev_block is None or next_block is None:
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
+        prev_block.next_free_block = next_block
+        next_block.prev_free_block = prev_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        if prev_block.block_id < 0:
+            # A class head changed (sentinels have id -1).
+            self._sel_dirty = True
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free_blocks <= 0:
+            raise ValueError("No free blocks available")
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` blocks to reuse: blocks without a hash, then lowest scores."""
+        if n == 0:
+            return []
+        assert self.num_free_blocks >= n, (
+            f"popleft_n({n}) with only {self.num_free_blocks} free blocks"
+        )
+        self.num_free_blocks -= n
+        out: list[KVCacheBlock] = []
+        nohash = self._nohash
+        head, tail = self._heads[nohash], self._tails[nohash]
+        b = head.next_free_block
+        if b is not tail:
+            while n and b is not tail:
+                nxt = b.next_free_block
+                b.prev_free_block = b.next_free_block = None
+                out.append(b)
+                b = nxt
+                n -= 1
+            head.next_free_block = b
+            b.prev_free_block = head
+        if n:
+            self._pop_scored(n, out)
+        return out
+
+    def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:
+        stamp_of = self.stamp
+        now = self.clock()
+        while n:
+            forced = False
+            if (
+                self._sel_dirty
+                or self._sel_active is not self._active
+                or now - self._sel_time > self.score_staleness
+            ):
+                self._reselect(now)
+                forced = True  # the head of the selected class is the exact minimum
+            c = self._sel_class
+            below = self._sel_below
+            head = self._heads[c]
+            tail = self._tails[c]
+            start = len(out)
+            b = head.next_free_block
+            if forced:
+                nxt = b.next_free_block
+                b.prev_free_block = b.next_free_block = None
+                out.append(b)
+                b = nxt
+                n -= 1
+            while n and b is not tail and stamp_of[b.block_id] < below:
+                nxt = b.next_free_block
+                b.prev_free_block = b.next_free_block = None
+                out.append(b)
+                b = nxt
+                n -= 1
+            head.next_free_block = b
+            b.prev_free_block = head
+            k = len(out) - start
+            self.counters.evicted[c] += k
+            if b is tail or not k:
+                self._sel_dirty = True
+            if k and self.sink is not None:
+                self._emit_evicted(out, start, c, now)
+
+    def _head_keys(self, active: _ActiveParams, now: float) -> dict[int, tuple[float, float]]:
+        """Exact (score, stamp) of every non-empty class's head at ``now``."""
+        keys: dict[int, tuple[float, float]] = {}
+        stamp_of = self.stamp
+        heads, tails = self._heads, self._tails
+        uniform = active.uniform
+        for c in self._live:
+            b = heads[c].next_free_block
+            if b is not tails[c]:
+                s = stamp_of[b.block_id]
+                keys[c] = (0.0 if uniform else active.scorer(c).log_score(now - s), s)
+        return keys
+
+    def _reselect(self, now: float) -> None:
+        """Find the class whose head is the exact minimum, and how far its run goes."""
+        active = self._active
+        keys = self._head_keys(active, now)
+        best = min(keys, key=keys.__getitem__)
+        del keys[best]
+        if not keys:
+            below = _INF
+        else:
+            second = min(keys.values())
+            if active.uniform:
+                below = second[1]
+            else:
+                idle = active.scorer(best).idle_below(second[0])
+                # Stamps clearly below the crossing beat the runner-up; the
+                # few near it are settled by an exact reselect.
+                below = now - (idle * (1.0 + 1e-9) + 1e-9) if idle < _INF else -_INF
+        self._sel_class = best
+        self._sel_below = below
+        self._sel_time = now
+        self._sel_active = active
+        self._sel_dirty = False
+
+    def _emit_evicted(self, out: list[KVCacheBlock], start: int, c: int, now: float) -> None:
+        sink = self.sink
+        sampled = self.sampled
+        all_ = sink.samples_all
+        stamp_of = self.stamp
+        for i in range(start, len(out)):
+            b = out[i]
+            h = b._block_hash
+            if h is not None and (all_ or sampled[b.block_id]):
+                sink.emit(BlockEvent(EventKind.EVICTED, now, c, now - stamp_of[b.block_id], h))
+
+    def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
+        """Free blocks in the order they would be evicted now (non-destructive)."""
+        nohash = self._nohash
+        head, tail = self._heads[nohash], self._tails[nohash]
+        b = head.next_free_block
+        while b is not tail:
+            yield b
+            b = b.next_free_block
+        active = self._active
+        now = self.clock()
+        stamp_of = self.stamp
+        cursors: dict[int, KVCacheBlock] = {}
+        keys: dict[int, tuple[float, float]] = {}
+        for c in self._live:
+            b = self._heads[c].next_free_block
+            if b is not self._tails[c]:
+                cursors[c] = b
+                s = stamp_of[b.block_id]
+                keys[c] = (0.0 if active.uniform else active.scorer(c).log_score(now - s), s)
+        while keys:
+            c = min(keys, key=keys.__getitem__)
+            b = cursors[c]
+            yield b
+            nxt = b.next_free_block
+            if nxt is self._tails[c]:
+                del keys[c]
+                continue
+            cursors[c] = nxt
+            s = stamp_of[nxt.block_id]
+            keys[c] = (0.0 if active.uniform else active.scorer(c).log_score(now - s), s)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks in current eviction order. Mainly used for testing."""
+        return list(self.iter_eviction_order())
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        """Free blocks in eviction order after ``cursor`` (from the start if None).
+
+        A cursor that is no longer free yields nothing, as in vLLM.
+        """
+        if cursor is not None and cursor.next_free_block is None:
+            return
+        found = cursor is None
+        for b in self.iter_eviction_order():
+            if found:
+                yield b
+            elif b is cursor:
+                found = True
+
+    # ---- workload-aware extras ------------------------------------------------------
+
+    def refile(self, blocks: Iterable[KVCacheBlock], new_class: int) -> int:
+        """Move free blocks to ``new_class``, keeping free-stamp order.
+
+        Used when a late fact about a request (its reply called a tool) changes
+        the class of its already-freed blocks.  Each block is inserted by
+        scanning the target list from its tail, so the cost is the number of
+        blocks moved plus the blocks freed into that class since.
+        Returns the number of blocks moved.
+        """
+        moved = 0
+        stamp_of = self.stamp
+        cls_of = self.block_class
+        counters = self.counters
+        head = self._heads[new_class]
+        for b in blocks:
+            if b.next_free_block is None or b._block_hash is None:
+                continue
+            bid = b.block_id
+            old = cls_of[bid]
+            if old == new_class or self._in_nohash_list(b):
+                continue
+            b.prev_free_block.next_free_block = b.next_free_block
+            b.next_free_block.prev_free_block = b.prev_free_block
+            s = stamp_of[bid]
+            after = self._tails[new_class]
+            prev = after.prev_free_block
+            if prev is head:
+                self._went_live(new_class)
+            while prev is not head and stamp_of[prev.block_id] > s:
+                after = prev
+                prev = prev.prev_free_block
+            b.prev_free_block = prev
+            b.next_free_block = after
+            prev.next_free_block = b
+            after.prev_free_block = b
+            cls_of[bid] = new_class
+            counters.freed[old] -= 1
+            counters.freed[new_class] += 1
+            moved += 1
+        if moved:
+            counters.reclassified += moved
+            self._sel_dirty = True
+        return moved
+
+    def _in_nohash_list(self, block: KVCacheBlock) -> bool:
+        b = block
+        while b.block_id >= 0:
+            b = b.prev_free_block
+        return b is self._heads[self._nohash]
+
+    def free_blocks_by_class(self) -> dict[str, int]:
+        """Number of free blocks per class name (walks the lists: tests, demos)."""
+        reg = self.registry
+        out: dict[str, int] = {}
+        for c in self._live:
+            n, b, tail = 0, self._heads[c].next_free_block, self._tails[c]
+            while b is not tail:
+                n, b = n + 1, b.next_free_block
+            if n:
+                out[reg.name_of(c)] = n
+        return out
+
+    def check_invariants(self) -> None:
+        """Walk every list and check links, classes, stamps and the count (tests)."""
+        total = 0
+        for c in range(self.num_classes_cap + 1):
+            head, tail = self._heads[c], self._tails[c]
+            b, prev, n, last_stamp = head.next_free_block, head, 0, -_INF
+            while b is not tail:
+                assert b is not None, f"list {c} is broken"
+                assert b.prev_free_block is prev, f"bad prev link in list {c}"
+                if c != self._nohash:
+                    assert self.block_class[b.block_id] == c, "block filed under wrong class"
+                    s = self.stamp[b.block_id]
+                    assert s >= last_stamp, f"list {c} is not in free-stamp order"
+                    last_stamp = s
+                prev, b, n = b, b.next_free_block, n + 1
+            assert tail.prev_free_block is prev
+            assert n == 0 or c == self._nohash or self._is_live[c], f"list {c} not marked live"
+            total += n
+        assert total == self.num_free_blocks, f"{total} linked != {self.num_free_blocks} counted"

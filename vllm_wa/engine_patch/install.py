@@ -1,0 +1,229 @@
+"""Install the workload-aware queue into a live vLLM ``BlockPool``.
+
+``install_wa_queue(block_pool)`` swaps the pool's ``FreeKVCacheBlockQueue``
+for a :class:`WorkloadAwareFreeQueue` holding the same free blocks in the same
+order, and wraps three ``KVCacheManager`` methods so the queue learns which
+request used each block:
+
+* ``get_computed_blocks``: the prefix lookup (reuse counts, lookup events);
+* ``free`` and ``pop_blocks_for_free``: a request releases its blocks; they
+  are filed under the request's class before they reach the pool.
+
+The wrappers are installed once per process, only when asked, and do nothing
+for managers whose pool has no workload-aware queue.  Errors inside them are
+caught and counted: a bug here must never take the engine down.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_wa.engine_patch.block_tagger import BlockTagger, ClassKeyFunction, RequestTags
+from vllm_wa.engine_patch.compat import check_vllm_version
+from vllm_wa.engine_patch.events import EventSink
+from vllm_wa.engine_patch.free_queue import Clock, WorkloadAwareFreeQueue
+from vllm_wa.params import WAParams
+from vllm_wa.workload_classes import ClassRegistry
+
+logger = logging.getLogger(__name__)
+
+HANDLE_ATTR = "_vllm_wa_handle"
+TAG_KEY = "type_info"
+_WRAPPED_MARK = "__vllm_wa_wrapped__"
+_install_lock = threading.Lock()
+
+_FINISH_REASON_OUTCOME = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+@dataclass
+class WAHandle:
+    """Everything installed into one block pool."""
+
+    block_pool: Any
+    queue: WorkloadAwareFreeQueue
+    tagger: BlockTagger
+    sink: EventSink | None
+    original_queue: Any
+    hook_errors: int = 0
+    _logged_error: bool = field(default=False, repr=False)
+
+    @property
+    def registry(self) -> ClassRegistry:
+        return self.queue.registry
+
+    def set_params(self, params: WAParams) -> None:
+        self.queue.set_params(params)
+
+    def guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a hook; count and log (once) instead of raising into vLLM."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - the engine must keep running
+            self.hook_errors += 1
+            if not self._logged_error:
+                self._logged_error = True
+                logger.exception("vllm-wa hook failed; counting further failures silently")
+
+    # ---- hook bodies ---------------------------------------------------------------
+
+    def request_tags(self, request: Any, *, finished: bool = False) -> RequestTags:
+        sp = getattr(request, "sampling_params", None)
+        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        raw = extra.get(TAG_KEY) if isinstance(extra, dict) else None
+        outcome = None
+        if finished:
+            reason = request.get_finished_reason() if request.is_finished() else None
+            if reason is not None:
+                outcome = _FINISH_REASON_OUTCOME.get(str(reason))
+        return self.tagger.request_tags(request.request_id, raw, outcome)
+
+    def on_lookup(self, manager: Any, request: Any, result: Any) -> None:
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+
+        blocks = result[0].blocks
+        hits = blocks[0] if blocks else []
+        for extra_group in blocks[1:]:
+            self.tagger.count_reuse(extra_group)
+        block_size = manager.coordinator.single_type_managers[0].block_size
+        hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, block_size)
+        self.tagger.on_lookup(
+            self.request_tags(request),
+            hits,
+            hashes,
+            to_key=lambda h: make_block_hash_with_group_id(h, 0),
+        )
+
+    def on_free(self, manager: Any, request: Any) -> None:
+        groups = manager.coordinator.get_blocks(request.request_id)
+        if not groups or not any(groups):
+            self.tagger.forget(request.request_id)
+            return
+        tags = self.request_tags(request, finished=True)
+        self.tagger.on_free(tags, groups[0])
+        for extra_group in groups[1:]:
+            self.tagger.file_blocks(tags, extra_group)
+
+
+def get_wa_handle(block_pool: Any) -> WAHandle | None:
+    return getattr(block_pool, HANDLE_ATTR, None)
+
+
+def install_wa_queue(
+    block_pool: Any,
+    params: WAParams | None = None,
+    *,
+    clock: Clock = time.monotonic,
+    sink: EventSink | None = None,
+    registry: ClassRegistry | None = None,
+    class_key: ClassKeyFunction | None = None,
+) -> WAHandle:
+    """Replace ``block_pool``'s free queue by the workload-aware one (idempotent).
+
+    Only the GPU-medium pool that the scheduler allocates from should be
+    passed; pools of other media (CPU offload) are refused.
+    """
+    check_vllm_version()
+    from vllm.distributed.kv_events import MEDIUM_GPU
+
+    with _install_lock:
+        existing = get_wa_handle(block_pool)
+        if existing is not None:
+            if params is not None:
+                existing.set_params(params)
+            return existing
+        medium = getattr(block_pool, "medium", MEDIUM_GPU)
+        if medium != MEDIUM_GPU:
+            raise ValueError(f"vllm-wa only replaces the {MEDIUM_GPU} pool's queue, not {medium!r}")
+        old = block_pool.free_block_queue
+        free_in_order = old.get_all_free_blocks()
+        queue = WorkloadAwareFreeQueue(
+            free_in_order,
+            params,
+            clock=clock,
+            registry=registry,
+            sink=sink,
+            num_block_ids=len(block_pool.blocks),
+        )
+        tagger = BlockTagger(queue, block_pool.blocks, sink=sink, class_key=class_key)
+        handle = WAHandle(block_pool, queue, tagger, sink, old)
+        _install_manager_hooks()
+        block_pool.free_block_queue = queue
+        setattr(block_pool, HANDLE_ATTR, handle)
+        logger.info(
+            "vllm-wa: workload-aware free queue installed (%d blocks, %d free)",
+            len(block_pool.blocks),
+            queue.num_free_blocks,
+        )
+        return handle
+
+
+def uninstall_wa_queue(block_pool: Any) -> None:
+    """Give the pool back a vLLM queue with the same free blocks, in eviction order."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    with _install_lock:
+        handle = get_wa_handle(block_pool)
+        if handle is None:
+            return
+        free = handle.queue.get_all_free_blocks()
+        for b in free:
+            b.prev_free_block = b.next_free_block = None
+        block_pool.free_block_queue = FreeKVCacheBlockQueue(free)
+        delattr(block_pool, HANDLE_ATTR)
+
+
+# ---- KVCacheManager wrappers ------------------------------------------------------------
+
+
+def _wrap_lookup(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, request, *args, **kwargs)
+        handle = getattr(self.block_pool, HANDLE_ATTR, None)
+        if handle is not None:
+            handle.guarded(handle.on_lookup, self, request, result)
+        return result
+
+    setattr(get_computed_blocks, _WRAPPED_MARK, orig)
+    return get_computed_blocks
+
+
+def _wrap_release(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def release(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = getattr(self.block_pool, HANDLE_ATTR, None)
+        if handle is not None:
+            handle.guarded(handle.on_free, self, request)
+        return orig(self, request, *args, **kwargs)
+
+    setattr(release, _WRAPPED_MARK, orig)
+    return release
+
+
+_WRAPPERS = {
+    "get_computed_blocks": _wrap_lookup,
+    "free": _wrap_release,
+    "pop_blocks_for_free": _wrap_release,
+}
+
+
+def _install_manager_hooks() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    for name, wrap in _WRAPPERS.items():
+        current = getattr(KVCacheManager, name)
+        if getattr(current, _WRAPPED_MARK, None) is not None:
+            continue
+        setattr(KVCacheManager, name, wrap(current))
+
+
+def manager_hooks_installed() -> bool:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    return all(getattr(getattr(KVCacheManager, n), _WRAPPED_MARK, None) for n in _WRAPPERS)

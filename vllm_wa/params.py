@@ -1,0 +1,345 @@
+"""Immutable, versioned parameters of the workload-aware eviction policy.
+
+A class's reuse model is a mixture of exponentials: with probability ``w_k``
+a free block is reused after an ``Exp(a_k)`` delay, and with probability
+``1 - sum(w)`` never.  One component is the model of vLLM PR #22236 and of the
+"KVCache Cache in the Wild" paper (``p`` = reuse probability, ``a`` = reuse
+rate); several components fit the heavy-tailed gaps of real traffic.
+
+The queue ranks a free block that has been idle for ``D`` seconds by
+
+* ``pr``:        ``S(D) - S(D + L)``, the PR's score, the unconditional
+                 probability that the block is reused in the next ``L`` s;
+* ``posterior``: ``(S(D) - S(D + L)) / S(D)``, the same probability given that
+                 the block has not been reused for ``D`` seconds,
+
+where ``S`` is the survival function of the reuse delay.  Both are
+non-increasing in ``D`` for any mixture of exponentials, so within one class an
+older block never outranks a newer one and the queue may keep one FIFO list per
+class and compare only the list heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+SCORE_MODES = ("pr", "posterior")
+DEFAULT_HORIZON_S = 5.0
+_NEG_INF = float("-inf")
+# Upper bound of the idle-time search when inverting a score (about 30 years).
+_MAX_IDLE_S = 1e9
+
+
+class ParamsError(ValueError):
+    """Raised for parameters that must not reach the queue."""
+
+
+def _check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamsError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ParamsError(f"{name} must be finite, got {value!r}")
+    if value < lo or value > hi:
+        raise ParamsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _logsumexp(terms: list[float]) -> float:
+    m = max(terms)
+    if m == _NEG_INF:
+        return _NEG_INF
+    return m + math.log(math.fsum(math.exp(t - m) for t in terms))
+
+
+@dataclass(frozen=True)
+class ReuseModel:
+    """Reuse-delay model of one workload class (a mixture of exponentials)."""
+
+    weights: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != len(self.rates) or not self.weights:
+            raise ParamsError("a reuse model needs as many weights as rates, at least one")
+        for w in self.weights:
+            _check_number("reuse probability", w, hi=1.0)
+        for a in self.rates:
+            _check_number("reuse rate", a)
+        total = math.fsum(self.weights)
+        if total > 1.0 + 1e-9:
+            raise ParamsError(f"reuse probabilities sum to {total} > 1")
+
+    @classmethod
+    def exponential(cls, p: float, a: float) -> ReuseModel:
+        """The PR's model: reused with probability ``p`` after an Exp(``a``) delay."""
+        return cls((float(_check_number("p", p, hi=1.0)),), (float(_check_number("a", a)),))
+
+    @property
+    def p(self) -> float:
+        """Probability that a block is reused at all."""
+        return min(1.0, math.fsum(self.weights))
+
+    @property
+    def a(self) -> float:
+        """Effective reuse rate: the inverse of the mean delay of reused blocks."""
+        p = self.p
+        if p <= 0.0:
+            return 0.0
+        mean = math.fsum(w / r for w, r in zip(self.weights, self.rates) if r > 0)
+        if any(r == 0 and w > 0 for w, r in zip(self.weights, self.rates)):
+            return 0.0
+        return p / mean if mean > 0 else 0.0
+
+    def survival(self, idle_s: float) -> float:
+        """P(not reused within ``idle_s`` seconds of being freed)."""
+        return (1.0 - self.p) + math.fsum(
+            w * math.exp(-r * idle_s) for w, r in zip(self.weights, self.rates)
+        )
+
+    def to_json(self) -> Any:
+        return [[w, r] for w, r in zip(self.weights, self.rates)]
+
+
+@dataclass(frozen=True)
+class ClassScorer:
+    """A reuse model compiled for one horizon and score mode.
+
+    ``log_score(D)`` is the log of the block score; ``idle_below(s)``
+    inverts it: the smallest idle time whose log score is ``< s``.
+    """
+
+    model: ReuseModel
+    horizon: float
+    mode: str
+    # log(w_k * (1 - exp(-a_k * L))) per component with a positive score.
+    _window_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+    # log(w_k), a_k for the survival function (never-reused mass has rate 0).
+    _survival_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        window: list[tuple[float, float]] = []
+        survival: list[tuple[float, float]] = []
+        for w, r in zip(self.model.weights, self.model.rates):
+            if w > 0.0:
+                survival.append((math.log(w), r))
+                mass = -math.expm1(-r * self.horizon)
+                if mass > 0.0:
+                    window.append((math.log(w) + math.log(mass), r))
+        never = 1.0 - self.model.p
+        if never > 0.0:
+            survival.append((math.log(never), 0.0))
+        object.__setattr__(self, "_window_terms", tuple(window))
+        object.__setattr__(self, "_survival_terms", tuple(survival))
+
+    def log_score(self, idle_s: float) -> float:
+        terms = self._window_terms
+        if not terms:
+            return _NEG_INF
+        if len(terms) == 1:
+            c, r = terms[0]
+            log_window = c - r * idle_s
+        else:
+            log_window = _logsumexp([c - r * idle_s for c, r in terms])
+        if self.mode == "pr":
+            return log_window
+        surv = self._survival_terms
+        if len(surv) == 1:
+            c, r = surv[0]
+            return log_window - (c - r * idle_s)
+        return log_window - _logsumexp([c - r * idle_s for c, r in surv])
+
+    def idle_below(self, target: float) -> float:
+        """Smallest idle time ``D >= 0`` with ``log_score(D) < target`` (strict).
+
+        Returns ``inf`` when the score never falls below ``target``.  The queue
+        uses it to take a run of victims from one class without scoring each.
+        """
+        if self.log_score(0.0) < target:
+            return 0.0
+        if target == _NEG_INF:
+            return math.inf
+        terms = self._window_terms
+        if self.mode == "pr" and len(terms) == 1 and terms[0][1] > 0.0:
+            c, r = terms[0]
+            return max(0.0, (c - target) / r)
+        hi = 1.0
+        while not self.log_score(hi) < target:
+            hi *= 4.0
+            if hi > _MAX_IDLE_S:
+                return math.inf
+        lo = 0.0
+        for _ in range(64):
+            mid = 0.5 * (lo + hi)
+            if self.log_score(mid) < target:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-9 * max(1.0, hi):
+                break
+        return hi
+
+
+# The prior: one model shared by every class, which makes the queue order
+# exactly like vLLM's LRU queue.
+LRU_MODEL = ReuseModel.exponential(p=1.0, a=1.0 / 60.0)
+
+
+@dataclass(frozen=True)
+class WAParams:
+    """Everything the queue needs to rank free blocks; never mutated.
+
+    ``models`` maps a class name to its reuse model; classes without an entry
+    use ``default``.  When every class resolves to the same model the queue
+    orders exactly like LRU.
+    """
+
+    models: Mapping[str, ReuseModel] = field(default_factory=dict)
+    default: ReuseModel = LRU_MODEL
+    horizon: float = DEFAULT_HORIZON_S
+    mode: str = "pr"
+    version: int = 0
+    source: str = "prior"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.models, Mapping):
+            raise ParamsError("models must be a mapping of class name to ReuseModel")
+        for name, model in self.models.items():
+            if not isinstance(name, str) or not name:
+                raise ParamsError(f"class names must be non-empty strings, got {name!r}")
+            if not isinstance(model, ReuseModel):
+                raise ParamsError(f"model of class {name!r} is not a ReuseModel")
+        if not isinstance(self.default, ReuseModel):
+            raise ParamsError("default must be a ReuseModel")
+        _check_number("L (horizon)", self.horizon)
+        if self.horizon <= 0:
+            raise ParamsError(f"L (horizon) must be positive, got {self.horizon}")
+        if self.mode not in SCORE_MODES:
+            raise ParamsError(f"mode must be one of {SCORE_MODES}, got {self.mode!r}")
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ParamsError(f"version must be a non-negative integer, got {self.version!r}")
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+
+    @classmethod
+    def lru(cls, *, version: int = 0, source: str = "prior") -> WAParams:
+        """Parameters under which the queue is exactly LRU."""
+        return cls(version=version, source=source)
+
+    @property
+    def is_uniform(self) -> bool:
+        """True when every class has the same model (the queue is then LRU)."""
+        return all(m == self.default for m in self.models.values())
+
+    def model_for(self, class_name: str) -> ReuseModel:
+        return self.models.get(class_name, self.default)
+
+    def scorer_for(self, class_name: str) -> ClassScorer:
+        return ClassScorer(self.model_for(class_name), self.horizon, self.mode)
+
+    def evolve(self, **changes: Any) -> WAParams:
+        """A copy with some fields replaced (validated like a new object)."""
+        return replace(self, **changes)
+
+    # ---- the PR's JSON format -------------------------------------------------
+
+    @classmethod
+    def from_pr_json(cls, data: Mapping[str, Any] | str, **overrides: Any) -> WAParams:
+        """Read the PR #22236 format ``{"a": {cls: rate}, "p": {cls: prob}}``.
+
+        Optional keys written by :meth:`to_pr_json`: ``L``, ``mode``,
+        ``mixture`` (``{cls: [[w, a], ...]}``) and ``default``.
+        """
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ParamsError(f"params JSON does not parse: {e}") from e
+        if not isinstance(data, Mapping):
+            raise ParamsError("params JSON must be an object with keys 'a' and 'p'")
+        rates, probs = data.get("a"), data.get("p")
+        if not isinstance(rates, Mapping) or not isinstance(probs, Mapping):
+            raise ParamsError("params JSON needs objects 'a' (class -> rate) and 'p' (class -> prob)")
+        if set(rates) != set(probs):
+            diff = sorted(set(rates) ^ set(probs))
+            raise ParamsError(f"classes {diff} appear in only one of 'a' and 'p'")
+        mixtures = data.get("mixture") or {}
+        if not isinstance(mixtures, Mapping):
+            raise ParamsError("'mixture' must be an object of class -> [[w, a], ...]")
+        models: dict[str, ReuseModel] = {}
+        for name in rates:
+            try:
+                if name in mixtures:
+                    models[name] = _model_from_json(mixtures[name])
+                else:
+                    models[name] = ReuseModel.exponential(probs[name], rates[name])
+            except ParamsError as e:
+                raise ParamsError(f"class {name!r}: {e}") from None
+        kwargs: dict[str, Any] = {"models": models, "source": "pr-json"}
+        if "default" in data:
+            kwargs["default"] = _model_from_json(data["default"])
+        elif models:
+            kwargs["default"] = _pooled(models.values())
+        if "L" in data:
+            kwargs["horizon"] = data["L"]
+        if "mode" in data:
+            kwargs["mode"] = data["mode"]
+        if "version" in data:
+            kwargs["version"] = data["version"]
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str, **overrides: Any) -> WAParams:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ParamsError(f"cannot read params file {path}: {e}") from e
+        try:
+            return cls.from_pr_json(text, **overrides)
+        except ParamsError as e:
+            raise ParamsError(f"{path}: {e}") from None
+
+    def to_pr_json(self) -> dict[str, Any]:
+        """The PR's format, plus the extension keys this project reads back."""
+        out: dict[str, Any] = {
+            "a": {c: m.a for c, m in self.models.items()},
+            "p": {c: m.p for c, m in self.models.items()},
+            "L": self.horizon,
+            "mode": self.mode,
+            "version": self.version,
+            "default": self.default.to_json(),
+        }
+        mixtures = {c: m.to_json() for c, m in self.models.items() if len(m.weights) > 1}
+        if mixtures:
+            out["mixture"] = mixtures
+        return out
+
+
+def _model_from_json(obj: Any) -> ReuseModel:
+    if isinstance(obj, Mapping):
+        return ReuseModel.exponential(obj.get("p"), obj.get("a"))
+    if not isinstance(obj, (list, tuple)) or not obj:
+        raise ParamsError(f"a mixture must be a non-empty list of [w, a] pairs, got {obj!r}")
+    pairs = []
+    for pair in obj:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ParamsError(f"mixture components must be [w, a] pairs, got {pair!r}")
+        pairs.append(pair)
+    return ReuseModel(
+        tuple(_check_number("w", w, hi=1.0) for w, _ in pairs),
+        tuple(_check_number("a", a) for _, a in pairs),
+    )
+
+
+def _pooled(models: Any) -> ReuseModel:
+    """A neutral model for classes the params do not name: the classes' mean."""
+    models = list(models)
+    p = math.fsum(m.p for m in models) / len(models)
+    a = math.fsum(m.a for m in models) / len(models)
+    return ReuseModel.exponential(p, a)
