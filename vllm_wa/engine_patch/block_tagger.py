@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, LookupEvent
+from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink, FinishedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
 
@@ -135,6 +135,9 @@ class BlockTagger:
             return
         self._looked_up[rid] = len(hit_blocks)
         self.count_reuse(hit_blocks)
+        if now is None:
+            now = self.queue.clock()
+        self._record_free_hits(hit_blocks, now)
         sink = self.sink
         if sink is None:
             return
@@ -150,7 +153,7 @@ class BlockTagger:
         sink.emit(
             LookupEvent(
                 EventKind.LOOKUP,
-                self.queue.clock() if now is None else now,
+                now,
                 rid,
                 req.tag,
                 self.queue.registry.id_of(self.class_key(req, 0, 0)),
@@ -159,6 +162,22 @@ class BlockTagger:
                 hashes,
             )
         )
+
+    def _record_free_hits(self, hit_blocks: Sequence[KVCacheBlock], now: float) -> None:
+        """Count (and sample) hits on blocks that sat in the free list."""
+        queue = self.queue
+        cls_of, stamp_of, reused = queue.block_class, queue.stamp, queue.counters.reused
+        sink = self.sink
+        sampled = queue.sampled
+        all_ = sink is not None and sink.samples_all
+        for b in hit_blocks:
+            if b.ref_cnt == 0 and b.next_free_block is not None:
+                bid = b.block_id
+                c = cls_of[bid]
+                if c < len(reused):
+                    reused[c] += 1
+                    if sink is not None and (all_ or sampled[bid]):
+                        sink.emit(BlockEvent(EventKind.REUSED, now, c, now - stamp_of[bid], b._block_hash))
 
     def count_reuse(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
         """One more prefix hit on each of ``hit_blocks``."""
@@ -176,7 +195,9 @@ class BlockTagger:
         rid = req.request_id
         self._looked_up.pop(rid, None)
         pending = self._pending_outcome.pop(rid, None)
-        if pending is not None and req.outcome is None:
+        if pending is not None:
+            # A reported fact (the reply called a tool) beats the engine's own
+            # finish reason (such replies end with a plain stop).
             req = replace(req, outcome=pending)
         self.file_blocks(req, blocks)
         self._serial += 1

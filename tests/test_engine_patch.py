@@ -1,0 +1,418 @@
+"""The queue installed into vLLM's real KVCacheManager / BlockPool."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+from vllm.v1.request import RequestStatus
+
+from conftest import FakeClock, finish, make_manager, make_request, run_prefill
+from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue
+from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
+from vllm_wa.engine_patch.install import (
+    get_wa_handle,
+    install_wa_queue,
+    manager_hooks_installed,
+    uninstall_wa_queue,
+)
+from vllm_wa.params import ParamsError, ReuseModel, WAParams
+from vllm_wa.workload_classes import ClassRegistry
+
+BS = 16
+
+
+def tokens(start: int, n_blocks: int, tail: int = 1) -> list[int]:
+    """A prompt of ``n_blocks`` full blocks plus ``tail`` extra tokens."""
+    return list(range(start, start + n_blocks * BS + tail))
+
+
+def block_ids_of(manager, request_id):
+    return [b.block_id for b in manager.coordinator.get_blocks(request_id)[0]]
+
+
+def test_importing_vllm_wa_patches_nothing():
+    code = (
+        "import vllm_wa, vllm_wa.engine_patch, vllm_wa.engine_patch.install as i;"
+        "from vllm.v1.core.kv_cache_manager import KVCacheManager as M;"
+        "assert not i.manager_hooks_installed();"
+        "assert not hasattr(M.free, '__vllm_wa_wrapped__');"
+        "print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "clean" in out.stdout
+
+
+def test_install_swaps_queue_keeps_free_blocks_and_is_idempotent(clock):
+    m = make_manager(20)
+    pool = m.block_pool
+    before = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    handle = install_wa_queue(pool, clock=clock)
+    assert isinstance(pool.free_block_queue, WorkloadAwareFreeQueue)
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == before
+    assert pool.get_num_free_blocks() == 19  # the null block stays out
+    again = install_wa_queue(pool, clock=clock)
+    assert again is handle
+    assert manager_hooks_installed()
+    uninstall_wa_queue(pool)
+    assert isinstance(pool.free_block_queue, FreeKVCacheBlockQueue)
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == before
+    assert get_wa_handle(pool) is None
+
+
+def test_install_refuses_other_media(clock):
+    m = make_manager(8)
+    m.block_pool.medium = "CPU"
+    with pytest.raises(ValueError, match="GPU"):
+        install_wa_queue(m.block_pool, clock=clock)
+
+
+def test_unsupported_vllm_version_is_a_clear_error():
+    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM >=0.32,<0.34.*0\.31\.0"):
+        check_vllm_version("0.31.0")
+    with pytest.raises(UnsupportedVLLMError, match="0.34"):
+        check_vllm_version("0.34.1")
+    assert check_vllm_version("0.33.0") == "0.33.0"
+    assert check_vllm_version().startswith("0.3")
+
+
+# ---- vLLM's own prefix-caching scenarios, re-run on the patched pool ------------------------
+
+
+def _scenario_prefill_then_hit(m):
+    """Request 2 shares request 1's first 3 blocks and hits them."""
+    r1 = make_request("r1", tokens(0, 3, 7))
+    assert run_prefill(m, r1) == 0
+    assert block_ids_of(m, "r1") == [1, 2, 3, 4]
+    r2 = make_request("r2", tokens(0, 3, 0) + [999] * 5)
+    assert run_prefill(m, r2) == 3 * BS
+    assert block_ids_of(m, "r2")[:3] == [1, 2, 3]
+    finish(m, r1)
+    finish(m, r2)
+    return [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def _scenario_evict_tail_first(m):
+    """Freed blocks are evicted tail first; partial blocks before all cached ones."""
+    r1 = make_request("r1", tokens(0, 4, 5))
+    run_prefill(m, r1)
+    finish(m, r1)
+    r2 = make_request("r2", tokens(5000, 4, 5))
+    run_prefill(m, r2)
+    finish(m, r2)
+    order = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+    # Fill the cache with a third prompt: it must evict r1's blocks tail first.
+    r3 = make_request("r3", tokens(9000, 6, 0))
+    run_prefill(m, r3)
+    r4 = make_request("r4", tokens(0, 4, 5))
+    hit = run_prefill(m, r4)
+    return order, block_ids_of(m, "r3"), hit
+
+
+def _scenario_many_requests(m, seed):
+    """Random shared-prefix traffic; returns every request's hit count and blocks."""
+    rng = random.Random(seed)
+    prefixes = [tokens(10000 * i, rng.randint(1, 4), 0) for i in range(5)]
+    live = []
+    log = []
+    for i in range(120):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            r = live.pop(rng.randrange(len(live)))
+            finish(m, r)
+            continue
+        p = rng.choice(prefixes) + [rng.randint(0, 10**6) for _ in range(rng.randint(1, 40))]
+        r = make_request(f"q{i}", p, tag=rng.choice(["text_1", "file_1", "image_2"]))
+        blocks, n_hit, _ = m.get_computed_blocks(r)
+        new = m.allocate_slots(r, r.num_tokens - n_hit, n_hit, blocks)
+        if new is None:
+            log.append((r.request_id, "wait"))
+            continue
+        r.num_computed_tokens = r.num_tokens
+        live.append(r)
+        log.append((r.request_id, n_hit, tuple(block_ids_of(m, r.request_id))))
+    return log, [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [_scenario_prefill_then_hit, _scenario_evict_tail_first]
+    + [lambda m, s=s: _scenario_many_requests(m, s) for s in range(3)],
+)
+def test_vllm_scenarios_identical_with_uniform_wa(scenario, clock):
+    """With LRU-equivalent parameters the patched pool behaves exactly like vLLM."""
+    plain = make_manager(14)
+    patched = make_manager(14)
+    install_wa_queue(patched.block_pool, clock=clock)
+    assert scenario(plain) == scenario(patched)
+    get_wa_handle(patched.block_pool).queue.check_invariants()
+
+
+def test_evict_tail_first_details(clock):
+    m = make_manager(14)
+    install_wa_queue(m.block_pool, clock=clock)
+    order, r3_blocks, hit = _scenario_evict_tail_first(m)
+    # r2 reused r1's partial block 5; its own partial block 9 goes first, then
+    # never-used blocks, then r1's cached blocks tail first, then r2's.
+    assert order == [9, 10, 11, 12, 13, 4, 3, 2, 1, 8, 7, 6, 5]
+    assert r3_blocks == [9, 10, 11, 12, 13, 4]
+    assert hit == 3 * BS  # r1's tail block was evicted; its first three still hit
+
+
+def test_reset_prefix_cache_with_wa_queue(clock):
+    m = make_manager(10)
+    install_wa_queue(m.block_pool, clock=clock)
+    r1 = make_request("r1", tokens(0, 3, 2))
+    run_prefill(m, r1)
+    finish(m, r1)
+    assert m.reset_prefix_cache()
+    r2 = make_request("r2", tokens(0, 3, 2))
+    assert run_prefill(m, r2) == 0
+
+
+# ---- tags to classes ---------------------------------------------------------------------------
+
+
+def test_tags_from_sampling_params_become_block_classes(clock):
+    m = make_manager(20)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    reg = h.registry
+    for rid, tag, start in [("a", "text_1", 0), ("b", "file_2", 1000), ("c", None, 2000)]:
+        r = make_request(rid, tokens(start, 2, 3), tag=tag)
+        run_prefill(m, r)
+        ids = block_ids_of(m, rid)
+        finish(m, r)
+        want = reg.id_of(tag or "default")
+        assert [h.queue.block_class[i] for i in ids] == [want] * len(ids)
+    assert h.queue.free_blocks_by_class() == {"text_1": 2, "file_2": 2, "default": 2}
+    assert h.tagger.tag_counters.missing >= 1
+
+
+@pytest.mark.parametrize("bad", [17, "x" * 65, "text 1", "täg", "", ["text_1"]])
+def test_bad_tags_go_to_invalid_and_are_counted(bad, clock):
+    m = make_manager(10)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    r = make_request("r", tokens(0, 2, 3), extra_args={"type_info": bad})
+    run_prefill(m, r)
+    finish(m, r)
+    assert h.queue.free_blocks_by_class() == {"invalid": 2}
+    assert h.tagger.tag_counters.invalid >= 1
+    assert h.hook_errors == 0
+
+
+def test_class_cap_sends_new_tags_to_other(clock):
+    m = make_manager(40)
+    reg = ClassRegistry(max_classes=5)  # default, invalid, other + 2
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg)
+    for i in range(4):
+        r = make_request(f"r{i}", tokens(1000 * i, 1, 2), tag=f"t{i}")
+        run_prefill(m, r)
+        finish(m, r)
+    assert set(h.queue.free_blocks_by_class()) == {"t0", "t1", "other"}
+    assert reg.counters.overflow >= 2
+    assert len(reg) == 5
+
+
+def test_block_takes_class_of_last_request_that_used_it(clock):
+    m = make_manager(20)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    r1 = make_request("r1", tokens(0, 2, 3), tag="text_1")
+    run_prefill(m, r1)
+    shared = block_ids_of(m, "r1")[:2]
+    finish(m, r1)
+    r2 = make_request("r2", tokens(0, 2, 9), tag="agent_1")
+    assert run_prefill(m, r2) == 2 * BS
+    finish(m, r2)
+    cls = h.registry.id_of("agent_1")
+    assert [h.queue.block_class[i] for i in shared] == [cls, cls]
+    assert h.tagger.reuse_count[shared[0]] == 1
+
+
+def test_class_key_sees_position_and_reuse_count(clock):
+    class DepthKey:
+        uses_block_features = True
+
+        def __call__(self, req, position, reuse_count):
+            return f"{req.tag}.d{min(position, 2)}.r{min(reuse_count, 1)}"
+
+    m = make_manager(20)
+    h = install_wa_queue(m.block_pool, clock=clock, class_key=DepthKey())
+    r1 = make_request("r1", tokens(0, 3, 0) + [5], tag="text")
+    run_prefill(m, r1)
+    finish(m, r1)
+    # r2 shares r1's first two blocks, then diverges.
+    r2 = make_request("r2", tokens(0, 2, 0) + list(range(7000, 7000 + BS)) + [6], tag="text")
+    assert run_prefill(m, r2) == 2 * BS
+    finish(m, r2)
+    classes = h.queue.free_blocks_by_class()
+    assert classes == {"text.d0.r1": 1, "text.d1.r1": 1, "text.d2.r0": 2}
+
+
+def test_reclassify_moves_a_finished_requests_free_blocks(clock):
+    class OutcomeKey:
+        uses_block_features = False
+
+        def __call__(self, req, position, reuse_count):
+            return f"{req.tag}.{req.outcome or 'unknown'}"
+
+    m = make_manager(20)
+    h = install_wa_queue(m.block_pool, clock=clock, class_key=OutcomeKey())
+    r1 = make_request("r1", tokens(0, 3, 2), tag="chat")
+    run_prefill(m, r1)
+    clock.advance(1)
+    finish(m, r1)
+    clock.advance(1)
+    r2 = make_request("r2", tokens(500, 2, 2), tag="chat")
+    run_prefill(m, r2)
+    finish(m, r2)
+    assert h.queue.free_blocks_by_class() == {"chat.stop": 5}
+    moved = h.tagger.reclassify("r1", "tool")
+    assert moved == 3
+    assert h.queue.free_blocks_by_class() == {"chat.stop": 2, "chat.tool": 3}
+    h.queue.check_invariants()
+    # A fact that arrives before the free is applied at the free.
+    r3 = make_request("r3", tokens(900, 1, 2), tag="chat")
+    run_prefill(m, r3)
+    assert h.tagger.reclassify("r3", "tool") == 0
+    finish(m, r3)
+    assert h.queue.free_blocks_by_class()["chat.tool"] == 4
+    assert h.tagger.reclassify("unknown-request", "tool") == 0
+
+
+def test_wa_params_change_eviction_order_in_the_pool(clock):
+    m = make_manager(13)
+    params = WAParams(
+        models={"tool": ReuseModel.exponential(0.9, 1 / 10), "human": ReuseModel.exponential(0.5, 1 / 600)},
+        horizon=5.0,
+    )
+    h = install_wa_queue(m.block_pool, params, clock=clock)
+    tool = make_request("tool", tokens(0, 3, 0) + [1], tag="tool")
+    run_prefill(m, tool)
+    finish(m, tool)
+    clock.advance(2)
+    human = make_request("human", tokens(1000, 3, 0) + [1], tag="human")
+    run_prefill(m, human)
+    finish(m, human)
+    clock.advance(1)
+    # 6 blocks hold no hash; a 9-block prompt must evict 3 cached blocks.
+    # LRU would take the tool result's (older) blocks; WA takes the human
+    # turn's: a 3-second-idle tool result is far likelier to return in 5 s.
+    new = make_request("new", tokens(5000, 8, 0) + [1])
+    run_prefill(m, new)
+    finish(m, new)
+    assert h.queue.counters.evicted[h.registry.id_of("human")] == 3
+    assert h.queue.counters.evicted[h.registry.id_of("tool")] == 0
+    assert run_prefill(m, make_request("tool2", tokens(0, 3, 0) + [2], tag="tool")) == 3 * BS
+
+
+def test_set_params_rejects_bad_values_and_keeps_old(clock):
+    m = make_manager(8)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    good = h.queue.params
+    for bad in [
+        lambda: WAParams(models={"x": ReuseModel.exponential(float("nan"), 1.0)}),
+        lambda: WAParams(models={"x": ReuseModel.exponential(1.5, 1.0)}),
+        lambda: WAParams(models={"x": ReuseModel.exponential(0.5, -1.0)}),
+        lambda: WAParams(horizon=float("inf")),
+        lambda: WAParams.from_pr_json({"a": {"x": 1.0}, "p": {"x": float("inf")}}),
+    ]:
+        with pytest.raises(ParamsError):
+            h.set_params(bad())
+    with pytest.raises(ParamsError):
+        h.queue.set_params({"a": {}, "p": {}})
+    assert h.queue.params is good
+
+
+# ---- events ------------------------------------------------------------------------------------
+
+
+def test_events_for_hit_eviction_and_finish(clock):
+    m = make_manager(10)
+    sink = EventSink(capacity=1000)
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    r1 = make_request("r1", tokens(0, 3, 1), tag="text_1")
+    run_prefill(m, r1)
+    clock.advance(1.0)
+    finish(m, r1)
+    clock.advance(2.5)
+    r2 = make_request("r2", tokens(0, 2, 0) + [7, 8], tag="text_2")
+    assert run_prefill(m, r2) == 2 * BS
+    finish(m, r2)
+    clock.advance(1.0)
+    big = make_request("big", tokens(4000, 8, 0) + [1], tag="file_1")
+    run_prefill(m, big)
+    events = sink.drain()
+    kinds = [e.kind for e in events]
+    assert kinds[0] == EventKind.LOOKUP and events[0].request_id == "r1" and events[0].queried_blocks == 3
+    fin = [e for e in events if e.kind == EventKind.FINISHED]
+    assert [(e.request_id, e.outcome) for e in fin] == [("r1", "stop"), ("r2", "stop")]
+    reused = [e for e in events if e.kind == EventKind.REUSED]
+    assert len(reused) == 2 and all(abs(e.idle - 2.5) < 1e-6 for e in reused)
+    assert {e.cls for e in reused} == {h.registry.id_of("text_1")}
+    evicted = [e for e in events if e.kind == EventKind.EVICTED]
+    assert len(evicted) == 3  # the cached blocks of r1/r2 (partial ones carry no hash)
+    assert all(e.block_hash is not None and e.idle >= 1.0 for e in evicted)
+    lookup_big = [e for e in events if e.kind == EventKind.LOOKUP and e.request_id == "big"][0]
+    assert lookup_big.hit_blocks == 0 and len(lookup_big.hashes) == 8
+    assert sink.dropped == 0
+
+
+def test_full_sink_drops_and_counts_without_blocking(clock):
+    m = make_manager(30)
+    sink = EventSink(capacity=2)
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    for i in range(5):
+        r = make_request(f"r{i}", tokens(100 * i * BS, 3, 1))
+        run_prefill(m, r)
+        finish(m, r)
+    assert len(sink) == 2
+    assert sink.dropped > 5
+    assert h.hook_errors == 0
+    # Requests were all served and freed normally.
+    assert m.block_pool.get_num_free_blocks() == 29
+
+
+def test_sampled_events_follow_the_hash_sample(clock):
+    m = make_manager(200)
+    sink = EventSink(capacity=100000, sample_rate=0.25)
+    install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    for i in range(20):
+        r = make_request(f"r{i}", tokens(1000 * i, 8, 1))
+        run_prefill(m, r)
+        finish(m, r)
+    freed = [e for e in sink.drain() if e.kind == EventKind.FREED]
+    assert 0 < len(freed) < 160
+    assert all(sink.is_sampled(e.block_hash) for e in freed)
+
+
+def test_hook_errors_are_counted_not_raised(clock, monkeypatch):
+    m = make_manager(10)
+    h = install_wa_queue(m.block_pool, clock=clock)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(h.tagger, "on_lookup", boom)
+    r = make_request("r", tokens(0, 2, 1))
+    run_prefill(m, r)
+    finish(m, r, RequestStatus.FINISHED_ABORTED)
+    assert h.hook_errors == 1
+    assert m.block_pool.get_num_free_blocks() == 9
+
+
+def test_unpatched_manager_unaffected_by_installed_hooks(clock):
+    patched = make_manager(10)
+    install_wa_queue(patched.block_pool, clock=clock)
+    plain = make_manager(10)
+    r = make_request("r", tokens(0, 2, 1), tag="text_1")
+    run_prefill(plain, r)
+    finish(plain, r)
+    assert type(plain.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    assert get_wa_handle(plain.block_pool) is None
+
+
+def test_fake_clock_type():
+    assert isinstance(FakeClock()(), float)
