@@ -1,0 +1,135 @@
+"""Parameters: validation, the PR's JSON format, and the score functions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams
+from vllm_wa.workload_classes import ClassRegistry, normalize_tag, TagCounters
+
+
+def test_pr_json_round_trip():
+    src = {"a": {"text_1": 0.021, "image_1": 0.2}, "p": {"text_1": 0.4, "image_1": 0.8}}
+    params = WAParams.from_pr_json(src)
+    assert params.model_for("text_1") == ReuseModel.exponential(0.4, 0.021)
+    assert params.horizon == 5.0 and params.mode == "pr"
+    out = params.to_pr_json()
+    assert out["a"] == pytest.approx(src["a"]) and out["p"] == pytest.approx(src["p"])
+    again = WAParams.from_pr_json(json.dumps(out))
+    assert again.models == params.models and again.default == params.default
+
+
+def test_mixture_round_trip_and_effective_rate():
+    m = ReuseModel((0.3, 0.5), (1.0, 0.01))
+    params = WAParams(models={"tool": m}, horizon=30.0, mode="posterior", version=7)
+    back = WAParams.from_pr_json(params.to_pr_json())
+    assert back.model_for("tool") == m
+    assert back.horizon == 30.0 and back.mode == "posterior" and back.version == 7
+    assert m.p == pytest.approx(0.8)
+    # effective rate: p / mean delay of reused blocks
+    assert m.a == pytest.approx(0.8 / (0.3 / 1.0 + 0.5 / 0.01))
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ({"a": {"x": 1.0}}, "objects 'a'"),
+        ({"a": {"x": 1.0}, "p": {"y": 0.5}}, "only one of"),
+        ({"a": {"x": "fast"}, "p": {"x": 0.5}}, "number"),
+        ({"a": {"x": 1.0}, "p": {"x": 1.2}}, r"\[0.0, 1.0\]"),
+        ({"a": {"x": -0.1}, "p": {"x": 0.5}}, r"\[0.0, inf\]"),
+        ({"a": {"x": float("nan")}, "p": {"x": 0.5}}, "finite"),
+        ({"a": {"x": 1.0}, "p": {"x": 0.5}, "L": 0}, "positive"),
+        ({"a": {"x": 1.0}, "p": {"x": 0.5}, "mode": "lfu"}, "mode"),
+        ({"a": {"x": 1.0}, "p": {"x": 0.5}, "mixture": {"x": [[0.7, 1.0], [0.6, 2.0]]}}, "sum"),
+        ("{not json", "does not parse"),
+        ([1, 2], "object"),
+    ],
+)
+def test_bad_params_are_rejected_with_a_clear_message(bad, msg):
+    with pytest.raises(ParamsError, match=msg):
+        WAParams.from_pr_json(bad)
+
+
+def test_load_names_the_file(tmp_path):
+    p = tmp_path / "params.json"
+    p.write_text('{"a": {"x": 1}, "p": {"x": 3}}')
+    with pytest.raises(ParamsError, match=str(p)):
+        WAParams.load(str(p))
+    with pytest.raises(ParamsError, match="cannot read"):
+        WAParams.load(str(tmp_path / "missing.json"))
+
+
+def test_lru_params_are_uniform():
+    assert WAParams.lru().is_uniform
+    m = ReuseModel.exponential(0.5, 0.1)
+    assert WAParams(models={"a": m, "b": m}, default=m).is_uniform
+    assert not WAParams(models={"a": m}).is_uniform
+
+
+models = st.builds(
+    lambda ws, rs: ReuseModel(tuple(ws), tuple(rs)),
+    st.lists(st.floats(0.0, 0.33), min_size=1, max_size=3),
+    st.lists(st.floats(1e-3, 10.0), min_size=3, max_size=3),
+).filter(lambda m: True)
+
+
+@st.composite
+def scorers(draw):
+    k = draw(st.integers(1, 3))
+    ws = draw(st.lists(st.floats(0.01, 1.0 / k), min_size=k, max_size=k))
+    rs = draw(st.lists(st.floats(1e-3, 10.0), min_size=k, max_size=k))
+    return ClassScorer(
+        ReuseModel(tuple(ws), tuple(rs)),
+        draw(st.sampled_from([1.0, 5.0, 120.0])),
+        draw(st.sampled_from(["pr", "posterior"])),
+    )
+
+
+@given(scorers(), st.floats(0.0, 500.0), st.floats(0.0, 500.0))
+def test_score_never_increases_with_idle_time(scorer, d1, d2):
+    lo, hi = sorted((d1, d2))
+    assert scorer.log_score(hi) <= scorer.log_score(lo) + 1e-12
+
+
+@given(scorers(), st.floats(0.0, 300.0))
+def test_idle_below_inverts_the_score(scorer, d):
+    target = scorer.log_score(d)
+    idle = scorer.idle_below(target)
+    if math.isinf(idle):
+        return
+    assert scorer.log_score(idle * (1 + 1e-9) + 1e-9) < target or scorer.log_score(idle) < target
+    if idle > 1e-6:
+        assert scorer.log_score(idle * (1 - 1e-6)) >= target - 1e-9
+
+
+def test_scores_match_closed_forms():
+    m = ReuseModel.exponential(0.6, 0.1)
+    pr = ClassScorer(m, 5.0, "pr")
+    post = ClassScorer(m, 5.0, "posterior")
+    d = 12.0
+    want_pr = 0.6 * (math.exp(-0.1 * d) - math.exp(-0.1 * (d + 5)))
+    assert math.exp(pr.log_score(d)) == pytest.approx(want_pr)
+    assert math.exp(post.log_score(d)) == pytest.approx(want_pr / m.survival(d))
+    never = ClassScorer(ReuseModel.exponential(0.0, 1.0), 5.0, "pr")
+    assert never.log_score(0.0) == -math.inf
+
+
+def test_tags_and_registry_cap():
+    c = TagCounters()
+    assert normalize_tag(None, c) == "default" and c.missing == 1
+    assert normalize_tag("text_1", c) == "text_1"
+    for bad in (3, "a b", "x" * 65, "", "<script>"):
+        assert normalize_tag(bad, c) == "invalid"
+    assert c.invalid == 5
+    reg = ClassRegistry(max_classes=4)
+    assert reg.id_of("a") == 3
+    assert reg.id_of("b") == reg.id_of("other")
+    assert reg.counters.overflow == 1 and len(reg) == 4
+    with pytest.raises(ValueError):
+        ClassRegistry(max_classes=2)
