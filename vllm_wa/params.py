@@ -283,7 +283,7 @@ class WAParams:
         if "default" in data:
             kwargs["default"] = _model_from_json(data["default"])
         elif models:
-            kwargs["default"] = _pooled(models.values())
+            kwargs["default"] = pooled_model(models.values())
         if "L" in data:
             kwargs["horizon"] = data["L"]
         if "mode" in data:
@@ -337,7 +337,7 @@ def _model_from_json(obj: Any) -> ReuseModel:
     )
 
 
-def _pooled(models: Any) -> ReuseModel:
+def pooled_model(models: Any) -> ReuseModel:
     """A neutral model for classes the params do not name: the classes' mean."""
     models = list(models)
     p = math.fsum(m.p for m in models) / len(models)

@@ -1,0 +1,288 @@
+"""The trace replay: loaders, lifetimes, both engines, baselines and the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from array import array
+
+import pytest
+
+from vllm_wa.cli import main as cli_main
+from vllm_wa.cli import sample_path
+from vllm_wa.params import WAParams
+from vllm_wa.replay.lifetime import LifetimeModel
+from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
+from vllm_wa.replay.policies import ReplayClock, ReplayPolicy
+from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes, run_one, sweep, swap_tags
+from vllm_wa.replay.sim_pool import SimBlockPool
+from vllm_wa.replay.trace import Trace, TraceRequest
+
+AGENTIC = sample_path("agentic-coding-sample.tar.xz")
+MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
+
+
+@pytest.fixture(scope="module")
+def agentic():
+    return load_trace(AGENTIC, agentic=AgenticOptions(max_conversations=12, seed=1))
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    return load_trace(MOONCAKE).head(600)
+
+
+def bailian_line(chat=1, parent=-1, ts=0.0, n_in=40, n_out=5, typ="text", turn=1, hashes=(1, 2, 3), **kw):
+    rec = dict(
+        chat_id=chat, parent_chat_id=parent, timestamp=ts, input_length=n_in,
+        output_length=n_out, type=typ, turn=turn, hash_ids=list(hashes),
+    )
+    rec.update(kw)
+    return json.dumps(rec)
+
+
+# ---- loaders -------------------------------------------------------------------------------------
+
+
+def test_bailian_loader_classes_and_conversations(tmp_path):
+    p = tmp_path / "bailian.jsonl"
+    p.write_text(
+        "\n".join(
+            [
+                bailian_line(chat=1, ts=0.0, typ="text", turn=1),
+                bailian_line(chat=2, parent=1, ts=5.0, typ="text", turn=2, n_in=50, hashes=(1, 2, 3, 4)),
+                bailian_line(chat=3, parent=2, ts=9.0, typ="file", turn=9, n_in=16, hashes=(9,)),
+            ]
+        )
+    )
+    tr = load_trace(str(p))
+    assert tr.fmt == "bailian" and tr.block_size == 16
+    assert [r.tag for r in tr.requests] == ["text_1", "text_2", "file_4"]
+    assert {r.conversation for r in tr.requests} == {1}
+    assert list(tr.requests[1].hash_ids) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ("{not json", "Expecting"),
+        (bailian_line(n_in=40, hashes=(1, 2)), "ceil"),
+        (bailian_line(hashes=()), "hash_ids"),
+        (bailian_line(ts=-1), "timestamp"),
+        (bailian_line(typ=""), "type"),
+        (bailian_line(hashes=("a", 2, 3)), "integers"),
+        ("[1, 2]", "object"),
+    ],
+)
+def test_bailian_malformed_line_names_file_and_line(tmp_path, bad, msg):
+    p = tmp_path / "t.jsonl"
+    p.write_text(bailian_line() + "\n" + bad + "\n" + bailian_line(chat=5, ts=3.0) + "\n")
+    with pytest.raises(TraceFormatError, match=rf"t.jsonl:2: .*{msg}"):
+        load_trace(str(p), "bailian")
+    tr = load_trace(str(p), "bailian", skip_bad=True)
+    assert tr.skipped_lines == 1 and len(tr.requests) == 2
+
+
+def test_mooncake_loader_and_detection(tmp_path):
+    tr = load_trace(MOONCAKE)
+    assert tr.fmt == "mooncake" and tr.block_size == 512 and len(tr.requests) == 2500
+    assert detect_format(MOONCAKE) == "mooncake"
+    p = tmp_path / "m.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write('{"timestamp": 1500, "input_length": 600, "output_length": 3, "hash_ids": [4, 5]}\n')
+        f.write('{"timestamp": 500, "input_length": 10, "output_length": 3, "hash_ids": [4]}\n')
+    tr = load_trace(str(p))
+    assert [r.arrival for r in tr.requests] == [0.5, 1.5]  # ms -> s, sorted
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 0, "output_length": 3, "hash_ids": [1]}\n')
+    with pytest.raises(TraceFormatError, match="bad.jsonl:1: .*input_length"):
+        load_trace(str(bad), "mooncake")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(TraceFormatError, match="no usable requests"):
+        load_trace(str(empty), "mooncake")
+
+
+def test_agentic_loader_offsets_tags_outcomes(agentic):
+    tr = agentic
+    assert tr.fmt == "agentic" and tr.block_size == 64
+    assert set(r.tag for r in tr.requests) <= {"human", "tool", "other"}
+    assert {"tool", "stop"} <= {r.outcome for r in tr.requests}
+    assert all(r.arrival < 7200 for r in tr.requests)
+    # Most requests record their service time (api_time); the rest use the throughput model.
+    assert sum(r.service_time is not None for r in tr.requests) > 0.5 * len(tr.requests)
+    # Hash namespaces differ per conversation.
+    by_conv: dict[int, set[int]] = {}
+    for r in tr.requests:
+        by_conv.setdefault(abs(r.conversation), set()).update(r.hash_ids)
+    convs = list(by_conv.values())
+    assert all(not (convs[0] & c) for c in convs[1:])
+    again = load_trace(AGENTIC, agentic=AgenticOptions(max_conversations=12, seed=1))
+    assert [r.arrival for r in again.requests] == [r.arrival for r in tr.requests]
+    other = load_trace(AGENTIC, agentic=AgenticOptions(max_conversations=12, seed=2))
+    assert [r.arrival for r in other.requests] != [r.arrival for r in tr.requests]
+
+
+def test_agentic_malformed_conversation(tmp_path):
+    d = tmp_path / "convs"
+    d.mkdir()
+    (d / "trace_0001.json").write_text(json.dumps({"block_size": 64, "requests": [
+        {"t": 0, "type": "n", "in": 100, "out": 5, "hash_ids": [1, 2], "input_types": ["text"], "stop": "end_turn"}
+    ]}))
+    (d / "trace_0002.json").write_text(json.dumps({"block_size": 64, "requests": [{"t": "soon"}]}))
+    with pytest.raises(TraceFormatError, match=r"trace_0002.json: .*'t'"):
+        load_trace(str(d))
+    tr = load_trace(str(d), skip_bad=True)
+    assert tr.skipped_lines == 1 and len(tr.requests) == 1 and tr.requests[0].outcome == "stop"
+
+
+# ---- lifetimes and pinning -------------------------------------------------------------------------
+
+
+def test_lifetime_model():
+    m = LifetimeModel(prefill_tokens_per_s=1000, decode_tokens_per_s=10)
+    r = TraceRequest("r", 0.0, array("q", [1]), input_tokens=2000, output_tokens=30)
+    assert m.service_time(r) == pytest.approx(2.0 + 3.0)
+    r.service_time = 7.5
+    assert m.service_time(r) == 7.5
+    assert LifetimeModel(use_trace_service_time=False).service_time(r) == pytest.approx(0.2 + 1.0)
+    with pytest.raises(ValueError):
+        LifetimeModel(decode_tokens_per_s=0)
+
+
+def test_pinned_blocks_are_never_evicted_and_overflow_is_reported():
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    pool = SimBlockPool(6, FreeKVCacheBlockQueue)  # 5 usable blocks
+    assert pool.allocate("a", [1, 2, 3], [])
+    assert not pool.allocate("b", [7, 8, 9], [])  # only 2 free: does not fit
+    assert pool.allocate("c", [4, 5], [])
+    held = {b.block_id for b in pool.held_blocks("a")} | {b.block_id for b in pool.held_blocks("c")}
+    assert len(held) == 5 and pool.num_free_blocks == 0
+    pool.release("a")
+    # a's blocks are free again and cached; a prompt sharing them hits
+    hits = pool.lookup([1, 2, 3, 10])
+    assert [b._block_hash for b in hits] == [1, 2, 3]
+
+
+def _tiny_trace(pinned_s: float) -> Trace:
+    reqs = [
+        TraceRequest(f"r{i}", float(i), array("q", [100 * i + j for j in range(4)]), 256, 1, service_time=pinned_s)
+        for i in range(6)
+    ]
+    return Trace("tiny", 64, reqs, "test")
+
+
+def test_overflow_counted_when_pinned_blocks_fill_the_cache():
+    cfg = ReplayConfig(profile_fraction=0.0)
+    tr = _tiny_trace(pinned_s=100.0)  # every request stays pinned
+    res = run_one(tr, ReplayPolicy("lru"), 9, cfg, eval_start=0.0)  # 8 usable blocks
+    assert res.requests == 6 and res.overflow == 4
+    res = run_one(_tiny_trace(0.5), ReplayPolicy("lru"), 9, cfg, eval_start=0.0)
+    assert res.overflow == 0
+
+
+# ---- engines and baselines ---------------------------------------------------------------------------
+
+POLICIES = ["lru", "wa-offline", "opt", "infinite"]
+
+
+@pytest.mark.parametrize("which", ["agentic", "mooncake"])
+def test_fast_and_vllm_engines_agree_for_every_policy(which, agentic, mooncake):
+    trace = agentic.head(250) if which == "agentic" else mooncake.head(300)
+    results = {}
+    for engine in ("fast", "vllm"):
+        cfg = ReplayConfig(engine=engine)
+        setup = prepare(trace, POLICIES, cfg)
+        sizes = resolve_sizes("5%,15%", setup.trace, setup.eval_start)
+        results[engine] = [
+            (r.policy, r.cache_blocks, r.hit_blocks, r.overflow, r.requests)
+            for r in sweep(setup, POLICIES, sizes, jobs=1)
+        ]
+    assert results["fast"] == results["vllm"]
+    assert any(h > 0 for _, _, h, _, _ in results["fast"])
+
+
+@pytest.mark.parametrize("which", ["agentic", "mooncake"])
+def test_opt_bounds_every_policy_and_infinite_bounds_opt(which, agentic, mooncake):
+    trace = agentic if which == "agentic" else mooncake
+    cfg = ReplayConfig()
+    setup = prepare(trace, POLICIES, cfg)
+    sizes = resolve_sizes("3%,8%,20%", setup.trace, setup.eval_start)
+    res = sweep(setup, POLICIES, sizes, jobs=2)
+    inf = next(r for r in res if r.policy == "infinite")
+    for n in sizes:
+        at = {r.policy: r for r in res if r.cache_blocks == n}
+        for p in ("lru", "wa-offline"):
+            assert at["opt"].hit_blocks >= at[p].hit_blocks, (n, p)
+        assert inf.hit_blocks >= at["opt"].hit_blocks
+        assert at["opt"].prompt_blocks == at["lru"].prompt_blocks  # same measured requests
+    # Hit rates grow with the cache for every policy.
+    for p in ("lru", "opt"):
+        rates = [r.token_hit_rate for r in res if r.policy == p]
+        assert rates == sorted(rates)
+
+
+def test_tag_swap_changes_tags_only_in_the_evaluation_window(agentic):
+    swapped = swap_tags(agentic, ("human", "tool"), since=agentic.eval_start(0.5))
+    es = agentic.eval_start(0.5)
+    for a, b in zip(agentic.requests, swapped.requests):
+        if a.arrival < es or a.tag not in ("human", "tool"):
+            assert a.tag == b.tag
+        else:
+            assert {a.tag, b.tag} == {"human", "tool"} and a.tag != b.tag
+        assert list(a.hash_ids) == list(b.hash_ids)
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+
+
+def test_cli_replay_writes_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = cli_main([
+        "replay", MOONCAKE, "--policies", "lru,opt,infinite", "--cache-blocks", "200,800",
+        "--json", str(out_json), "--plot", str(out_png), "--window-seconds", "300", "--no-cache",
+    ])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "lru" in out and "opt" in out and "token hit rate" in out
+    data = json.loads(out_json.read_text())
+    recs = data["results"]
+    assert len(recs) == 5
+    for r in recs:
+        for key in ("policy", "cache_blocks", "token_hit_rate", "block_hit_rate", "hit_tokens",
+                    "prompt_tokens", "requests"):
+            assert key in r
+        assert 0.0 <= r["token_hit_rate"] <= 1.0
+        assert r["windows"]
+    assert out_png.stat().st_size > 10_000
+
+
+def test_cli_profile_round_trips_pr_format(tmp_path, agentic):
+    out = tmp_path / "params.json"
+    rc = cli_main(["profile", AGENTIC, "--conversations", "12", "--seed", "1", "--out", str(out), "--no-cache"])
+    assert rc == 0
+    raw = json.loads(out.read_text())
+    assert set(raw["a"]) == set(raw["p"]) and {"human", "tool"} <= set(raw["a"])
+    params = WAParams.load(str(out))
+    assert params.to_pr_json()["a"] == pytest.approx(raw["a"])
+    assert all(0 <= m.p <= 1 and m.a > 0 for m in params.models.values())
+    # In these traces tool results come back much sooner than people do.
+    assert params.models["tool"].a > params.models["human"].a
+
+
+def test_cli_reports_bad_traces_clearly(tmp_path, capsys):
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "nope"}\n')
+    assert cli_main(["replay", str(bad), "--format", "mooncake", "--cache-blocks", "10", "--no-cache"]) == 2
+    assert "x.jsonl:1" in capsys.readouterr().err
+
+
+def test_resolve_sizes(agentic):
+    es = agentic.eval_start(0.5)
+    uniq = agentic.unique_blocks(since=es)
+    assert resolve_sizes("10%", agentic, es) == [math.ceil(uniq * 0.1)]
+    assert resolve_sizes("300,100,300", agentic, es) == [100, 300]
+    with pytest.raises(ValueError):
+        resolve_sizes("1", agentic, es)

@@ -1,0 +1,228 @@
+"""The synthetic Bailian trace generator: format, calibration, prefixes, config."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vllm_wa.replay.loaders import load_bailian
+from vllm_wa.replay.synth import SynthConfig, SynthClass, generate, write_trace
+
+CONFIG_TOML = Path(__file__).resolve().parents[1] / "configs" / "synth-bailian-a.toml"
+
+
+def _short(duration_s: float = 600.0, **kw) -> SynthConfig:
+    return replace(SynthConfig.bailian_a(), duration_s=duration_s, **kw)
+
+
+def _read_lines(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_written_trace_loads_and_is_synthetic(tmp_path: Path, name: str) -> None:
+    cfg = _short(600.0)
+    path = tmp_path / name
+    n = write_trace(cfg, str(path))
+    assert n > 1000
+    trace = load_bailian(str(path))
+    assert trace.synthetic is True
+    assert len(trace.requests) == n
+    assert {r.tag.split("_")[0] for r in trace.requests} == {"text", "search", "image", "file"}
+    recs = _read_lines(path)
+    assert len(recs) == n
+    stamps = [r["timestamp"] for r in recs]
+    assert stamps == sorted(stamps)
+    assert 0.0 <= stamps[0] and stamps[-1] < cfg.duration_s
+    for r in recs:
+        assert r["synthetic"] is True
+        assert len(r["hash_ids"]) == math.ceil(r["input_length"] / 16)
+        assert r["input_length"] <= cfg.max_input_tokens
+        assert r["output_length"] >= 1
+    assert len({r["chat_id"] for r in recs}) == n
+    # Steady state: some turns continue conversations that began in the warm-up.
+    ids = {r["chat_id"] for r in recs}
+    assert any(r["parent_chat_id"] >= 0 and r["parent_chat_id"] not in ids for r in recs)
+
+
+def test_cold_start_has_no_orphan_turns() -> None:
+    recs = list(generate(_short(300.0, warmup_s=0.0)))
+    ids = {r["chat_id"] for r in recs}
+    assert recs[0]["turn"] == 1
+    assert all(r["parent_chat_id"] == -1 or r["parent_chat_id"] in ids for r in recs)
+
+
+def test_class_counts_match_shares() -> None:
+    cfg = _short(3600.0, rate_per_s=40.0)
+    counts = Counter(r["type"] for r in generate(cfg))
+    total = sum(counts.values())
+    assert total == pytest.approx(cfg.rate_per_s * cfg.duration_s, rel=0.03)
+    for c in cfg.classes:
+        expected = c.share * total
+        # Small classes have few conversations of geometric length: allow more noise.
+        tol = 0.03 if c.share > 0.1 else 0.08
+        assert counts[c.name] == pytest.approx(expected, rel=tol), (c.name, counts[c.name], expected)
+
+
+def test_median_reuse_gap_per_class() -> None:
+    base = SynthConfig.bailian_a()
+    classes = tuple(replace(c, share=1.0 / len(base.classes)) for c in base.classes)
+    cfg = replace(base, classes=classes, rate_per_s=8.0, duration_s=4 * 3600.0)
+    seen: dict[int, float] = {}
+    gaps: dict[str, list[float]] = defaultdict(list)
+    for r in generate(cfg):
+        seen[r["chat_id"]] = r["timestamp"]
+        parent = seen.get(r["parent_chat_id"])
+        if parent is not None:
+            gaps[r["type"]].append(r["timestamp"] - parent)
+    for c in cfg.classes:
+        assert len(gaps[c.name]) > 2000
+        med = statistics.median(gaps[c.name])
+        assert med == pytest.approx(c.gap_median_s, rel=0.15), (c.name, med)
+
+
+def test_turns_extend_previous_prompt() -> None:
+    cfg = _short(900.0)
+    by_id: dict[int, dict] = {}
+    checked = 0
+    for r in generate(cfg):
+        by_id[r["chat_id"]] = r
+        p = by_id.get(r["parent_chat_id"])
+        if p is None:
+            continue
+        checked += 1
+        assert r["type"] == p["type"] and r["turn"] == p["turn"] + 1
+        assert r["input_length"] > p["input_length"] + p["output_length"]
+        full = p["input_length"] // 16
+        assert r["hash_ids"][:full] == p["hash_ids"][:full]
+        if p["input_length"] % 16:
+            # The parent's partial last block now holds more tokens: a new id.
+            assert r["hash_ids"][full] != p["hash_ids"][full]
+    assert checked > 500
+
+
+def test_hash_id_implies_its_prefix() -> None:
+    """An id always sits at the same position after the same id, so it names its whole prefix."""
+    where: dict[int, tuple[int, int]] = {}
+    for r in generate(_short(600.0)):
+        prev = -1
+        for j, h in enumerate(r["hash_ids"]):
+            assert where.setdefault(h, (j, prev)) == (j, prev)
+            prev = h
+
+
+def test_system_prompts_are_shared_across_conversations() -> None:
+    cfg = _short(600.0, warmup_s=0.0)
+    sys_blocks = {c.name: c.system_prompt_tokens // 16 for c in cfg.classes}
+    groups: dict[tuple[str, tuple[int, ...]], list[list[int]]] = defaultdict(list)
+    for r in generate(cfg):
+        if r["turn"] == 1:
+            n = sys_blocks[r["type"]]
+            groups[(r["type"], tuple(r["hash_ids"][:n]))].append(r["hash_ids"])
+    for c in cfg.classes:
+        mine = {k: v for k, v in groups.items() if k[0] == c.name}
+        assert 1 < len(mine) <= c.system_prompts
+        # Zipf-like: the most popular system prompt serves many conversations.
+        biggest = max(mine.values(), key=len)
+        assert len(biggest) >= 5
+        # Their prompts diverge right after the shared system prompt.
+        n = sys_blocks[c.name]
+        assert len({h[n] for h in biggest}) == len(biggest)
+    # Different classes never share a system prompt block.
+    firsts = [k[1][0] for k in groups]
+    assert len(firsts) == len(set(firsts))
+
+
+def test_same_seed_same_trace_other_seed_differs(tmp_path: Path) -> None:
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    write_trace(_short(300.0, seed=7), str(a))
+    write_trace(_short(300.0, seed=7), str(b))
+    write_trace(_short(300.0, seed=8), str(c))
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+
+
+def test_generation_is_lazy() -> None:
+    """Records stream out; nothing is built for the whole duration up front."""
+    first = next(generate(replace(SynthConfig.bailian_a(), duration_s=1e9)))
+    assert first["timestamp"] >= 0.0
+
+
+def _one_class(**kw) -> dict:
+    return {"classes": [{"name": "text", "share": 1.0, **kw}]}
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"duration_s": "long"}, "duration_s"),
+        ({"rate_per_s": 0}, "rate_per_s must be > 0"),
+        ({"seed": 1.5}, "seed"),
+        ({"warmup_s": -1.0}, "warmup_s"),
+        ({"classes": "text"}, "classes"),
+        ({"classes": []}, "classes"),
+        (_one_class(bogus=2), "classes[0].bogus"),
+        (_one_class(share=-0.5), "classes[0].share"),
+        (_one_class(turns_mean=0.5), "classes[0].turns_mean"),
+        (_one_class(gap_sigma=-1.0), "classes[0].gap_sigma"),
+        (_one_class(system_prompts=2.5), "classes[0].system_prompts"),
+        (_one_class(first_prompt_tokens=True), "classes[0].first_prompt_tokens"),
+        ({"classes": [{"name": "video", "share": 1.0}]}, "classes[0].turns_mean is required"),
+        (
+            {"classes": [{"name": "text", "share": 0.5}, {"name": "search", "share": 0.3},
+                         {"name": "file", "share": 0.2, "gap_median_s": 0}]},
+            "classes[2].gap_median_s must be > 0",
+        ),
+        ({"classes": [{"name": "text", "share": 0.5}, {"name": "search", "share": 0.3}]}, "share must sum to 1"),
+        ({"classes": [{"name": "text", "share": 0.5}, {"name": "text", "share": 0.5}]}, "classes[1].name"),
+        ({"max_input_tokens": 100}, "classes[0].system_prompt_tokens"),
+    ],
+)
+def test_bad_config_names_the_key(raw: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(key)):
+        SynthConfig.from_dict(raw)
+
+
+def test_direct_construction_is_validated() -> None:
+    with pytest.raises(ValueError, match=re.escape("classes[0].reply_tokens")):
+        SynthConfig(classes=(replace(SynthConfig.bailian_a().classes[0], share=1.0, reply_tokens=-3),))
+
+
+def test_missing_keys_default_to_bailian_a() -> None:
+    cfg = SynthConfig.from_dict({"duration_s": 60, "classes": [{"name": "search", "share": 1.0}]})
+    default = SynthConfig.bailian_a()
+    assert cfg.rate_per_s == default.rate_per_s and cfg.seed == default.seed
+    assert cfg.classes == (replace(default.classes[1], share=1.0),)
+    assert SynthConfig.from_dict({}) == default
+
+
+def test_bailian_a_matches_published_figures() -> None:
+    cfg = SynthConfig.bailian_a()
+    published = {"text": (31744, 47.7), "search": (8187, 111.8), "image": (1617, 4.8), "file": (1510, 152.4)}
+    total = sum(n for n, _ in published.values())
+    assert cfg.rate_per_s * cfg.duration_s == pytest.approx(total, rel=0.01)
+    for c in cfg.classes:
+        n, gap = published[c.name]
+        assert c.share == pytest.approx(n / total, abs=1e-4)
+        assert c.gap_median_s == gap
+
+
+def test_toml_default_equals_bailian_a() -> None:
+    cfg = SynthConfig.from_toml(str(CONFIG_TOML))
+    default = SynthConfig.bailian_a()
+    assert [(c.name, c.share, c.gap_median_s) for c in cfg.classes] == [
+        (c.name, c.share, c.gap_median_s) for c in default.classes
+    ]
+    assert cfg == default
+    assert all(isinstance(c, SynthClass) for c in cfg.classes)

@@ -1,0 +1,240 @@
+"""``vllm-wa``: replay traces, profile parameters, synthesize traces, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from importlib import resources
+
+from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
+from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep
+from vllm_wa.replay.trace_cache import load_trace_cached
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=FORMATS, help="trace format (default: detected)")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of failing")
+    p.add_argument("--seed", type=int, default=0, help="seed for conversation start offsets (agentic traces)")
+    p.add_argument("--window", type=float, default=3600.0, help="agentic: start offsets uniform in [0, WINDOW] s")
+    p.add_argument("--cut", type=float, default=7200.0, help="agentic: drop requests arriving after CUT s")
+    p.add_argument("--conversations", type=int, help="agentic: use this many conversations (seeded sample)")
+    p.add_argument("--no-cache", action="store_true", help="do not use or write the parsed-trace cache")
+
+
+def _load(path: str, args: argparse.Namespace):
+    opts = AgenticOptions(window=args.window, cut=args.cut, max_conversations=args.conversations, seed=args.seed)
+    return load_trace_cached(path, args.format, skip_bad=args.skip_bad, agentic=opts, use_cache=not args.no_cache)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from vllm_wa.replay import report
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise SystemExit(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    tag_swap = None
+    if args.tag_swap:
+        parts = args.tag_swap.split(",")
+        if len(parts) != 2 or not all(parts):
+            raise SystemExit("--tag-swap takes two tags: A,B")
+        tag_swap = (parts[0], parts[1])
+    controller_config = None
+    if "wa-online" in policies:
+        from vllm_wa.controller.config import ControllerConfig
+
+        controller_config = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
+    cfg = ReplayConfig(
+        engine=args.engine,
+        profile_fraction=args.profile_fraction,
+        window_seconds=args.window_seconds,
+        tag_swap=tag_swap,
+        seed=args.seed,
+        controller_config=controller_config,
+    )
+    all_results = []
+    unique: dict[str, int] = {}
+    t_start = time.perf_counter()
+    for path in args.traces:
+        t0 = time.perf_counter()
+        trace = _load(path, args)
+        _progress(
+            f"[{path}] {len(trace.requests)} requests, {trace.block_size}-token blocks"
+            + (f", {trace.skipped_lines} bad records skipped" if trace.skipped_lines else "")
+            + (" (SYNTHETIC)" if trace.synthetic else "")
+            + f", loaded in {time.perf_counter() - t0:.1f}s"
+        )
+        setup = prepare(trace, policies, cfg)
+        unique[trace.name] = setup.trace.unique_blocks(since=setup.eval_start)
+        sizes = resolve_sizes(args.cache_blocks, setup.trace, setup.eval_start)
+        _progress(
+            f"[{path}] evaluation window from t={setup.eval_start:.0f}s: {unique[trace.name]} unique blocks; "
+            f"cache sizes {sizes}"
+        )
+        n_tasks = sum(1 if p == "infinite" else len(sizes) for p in policies)
+        done = [0]
+
+        def on_result(r, n_tasks=n_tasks, done=done):
+            done[0] += 1
+            _progress(
+                f"  [{done[0]}/{n_tasks}] {r.policy:<10} {r.cache_blocks:>9} blocks: "
+                f"token hit {100 * r.token_hit_rate:6.2f}%  ({r.wall_s:.1f}s)"
+            )
+
+        all_results.extend(sweep(setup, policies, sizes, jobs=args.jobs, on_result=on_result))
+    elapsed = time.perf_counter() - t_start
+    print(report.format_table(all_results, unique))
+    print(f"replay took {elapsed:.1f}s")
+    meta = {
+        "traces": args.traces,
+        "policies": policies,
+        "cache_blocks": args.cache_blocks,
+        "engine": args.engine,
+        "profile_fraction": args.profile_fraction,
+        "seed": args.seed,
+        "tag_swap": args.tag_swap,
+        "unique_blocks_eval": unique,
+        "elapsed_s": elapsed,
+    }
+    if args.json:
+        report.write_json(all_results, args.json, meta)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(all_results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from vllm_wa.replay.profile import profile_trace
+
+    trace = _load(args.trace, args)
+    until = args.until if args.until is not None else trace.eval_start(0.5)
+    params = profile_trace(trace, trace.start + until if args.relative else until)
+    text = json.dumps(params.to_pr_json(), indent=1)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from vllm_wa.replay.synth import SynthConfig, write_trace
+
+    cfg = SynthConfig.from_toml(args.config) if args.config else SynthConfig.bailian_a()
+    overrides = {}
+    if args.duration is not None:
+        overrides["duration_s"] = args.duration
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if overrides:
+        from dataclasses import replace
+
+        cfg = replace(cfg, **overrides)
+    n = write_trace(cfg, args.out)
+    print(f"wrote {n} SYNTHETIC Bailian-format requests to {args.out}")
+    return 0
+
+
+def sample_path(name: str) -> str:
+    return str(resources.files("vllm_wa") / "data" / name)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's main job: the trace benchmark on the bundled real sample."""
+    out_dir = args.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    policies = "lru,wa-offline,wa-online,opt,infinite"
+    try:
+        import vllm_wa.controller.replay_policy  # noqa: F401
+    except ImportError:
+        policies = "lru,wa-offline,opt,infinite"
+    ns = argparse.Namespace(
+        traces=[sample_path("agentic-coding-sample.tar.xz")],
+        policies=policies,
+        cache_blocks="5%,10%,20%",
+        engine="fast",
+        json=os.path.join(out_dir, "demo.json"),
+        plot=os.path.join(out_dir, "demo.png"),
+        profile_fraction=0.5,
+        window_seconds=None,
+        tag_swap=None,
+        jobs=0,
+        controller_config=None,
+        format=None,
+        skip_bad=False,
+        seed=0,
+        window=3600.0,
+        cut=7200.0,
+        conversations=None,
+        no_cache=True,
+    )
+    print("vllm-wa demo: replaying the bundled agentic-coding sample (see vllm_wa/data/NOTICE.md)")
+    return cmd_replay(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vllm-wa", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("replay", help="replay traces and compare eviction policies")
+    p.add_argument("traces", nargs="+", metavar="TRACE")
+    p.add_argument("--policies", default="lru,wa-offline,opt,infinite", help=f"comma list of {', '.join(POLICIES)}")
+    p.add_argument(
+        "--cache-blocks",
+        default="5%,10%,20%",
+        help="comma list of cache sizes in blocks, or N%% of the unique blocks in the evaluation window",
+    )
+    p.add_argument("--engine", choices=("fast", "vllm"), default="fast")
+    p.add_argument("--profile-fraction", type=float, default=0.5, help="first fraction of the trace profiled / warmed")
+    p.add_argument("--window-seconds", type=float, help="add windowed hit rates to the JSON and plot")
+    p.add_argument("--tag-swap", help="A,B: from the evaluation window on, swap tags A and B")
+    p.add_argument("--controller-config", help="TOML config of the wa-online controller")
+    p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: cores)")
+    p.add_argument("--json", help="write per-run records here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    _add_trace_args(p)
+    p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("profile", help="offline-profile PR-format parameters from a trace prefix")
+    p.add_argument("trace", metavar="TRACE")
+    p.add_argument("--until", type=float, help="profile requests before this time (default: the first half)")
+    p.add_argument("--relative", action="store_true", help="--until counts from the trace's first request")
+    p.add_argument("--out", help="write params JSON here (default: stdout)")
+    _add_trace_args(p)
+    p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("synth", help="write a SYNTHETIC Bailian-format trace")
+    p.add_argument("--config", help="TOML config (default: calibrated to Bailian trace A)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--duration", type=float)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(fn=cmd_synth)
+
+    p = sub.add_parser("demo", help="replay the bundled real sample and plot it")
+    p.add_argument("--out-dir", default="out")
+    p.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (TraceFormatError, ValueError, OSError) as e:
+        print(f"vllm-wa: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Belady's optimum as a free queue: evict the block whose next use is furthest.
+
+The replay knows the future: for every (request, prompt position) it
+precomputes the index of the next request whose prompt holds the same block.
+Each time a request uses a block the oracle writes that next use into the
+queue's per-block array; on eviction the free block with the largest next use
+goes (ties: the deeper block first).  A prefix cache cannot use a block
+whose parent is gone: a request that misses the parent recomputes it and
+everything after it, so a free block whose parent was evicted ("orphan") is
+dead weight and is evicted before any block with a future.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from vllm_wa.replay.trace import Trace
+
+NEVER = np.iinfo(np.int64).max
+
+
+def next_use_table(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """``next_req[offsets[i] + j]``: index of the next request using block j of request i.
+
+    ``NEVER`` when no later request holds that block.
+    """
+    lengths = np.fromiter((len(r.hash_ids) for r in trace.requests), dtype=np.int64, count=len(trace.requests))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    flat = np.empty(total, dtype=np.int64)
+    for i, r in enumerate(trace.requests):
+        flat[offsets[i] : offsets[i + 1]] = np.frombuffer(r.hash_ids, dtype=np.int64)
+    # Stable sort by hash keeps each hash's occurrences in request order.
+    order = np.argsort(flat, kind="stable")
+    keys_sorted = flat[order]
+    del flat
+    sorted_req = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)[order]
+    # A prompt's last block is never a hit (vLLM recomputes it), so an
+    # occurrence there is no use of the cached block: skip to the next one.
+    is_last = np.zeros(total, dtype=bool)
+    is_last[offsets[1:][lengths > 0] - 1] = True
+    hittable = np.flatnonzero(~is_last[order])
+    del is_last
+    nxt_sorted = np.full(total, NEVER, dtype=np.int64)
+    if total > 1 and hittable.size:
+        k = np.searchsorted(hittable, np.arange(1, total + 1))
+        ok = k < hittable.size
+        q = hittable[np.minimum(k, hittable.size - 1)]
+        ok &= keys_sorted[q] == keys_sorted
+        nxt_sorted[ok] = sorted_req[q[ok]]
+    del keys_sorted, sorted_req
+    nxt = np.empty(total, dtype=np.int64)
+    nxt[order] = nxt_sorted
+    return nxt, offsets
+
+
+class BeladyFreeQueue:
+    """Drop-in free queue that evicts by furthest next use (see module doc)."""
+
+    def __init__(self, blocks: list[KVCacheBlock], num_block_ids: int | None = None) -> None:
+        n = num_block_ids if num_block_ids is not None else max((b.block_id for b in blocks), default=-1) + 1
+        self.next_use = [NEVER] * n
+        self.depth = [0] * n
+        self._version = [0] * n
+        self._is_free = bytearray(n)
+        self._heap: list[tuple[int, int, int, int]] = []
+        self._fresh: list[KVCacheBlock] = []  # blocks without a hash, evicted first
+        self._orphans: list[KVCacheBlock] = []  # free blocks whose parent was evicted
+        self._blocks: dict[int, KVCacheBlock] = {}
+        # Prefix links recorded by the oracle: the parent block and the hash it
+        # held, and each block's children.
+        self.parent: list[tuple[KVCacheBlock, object] | None] = [None] * n
+        self.children: dict[int, set[int]] = {}
+        self.num_free_blocks = 0
+        unhashed = [b for b in blocks if b._block_hash is None]
+        self.prepend_n(unhashed)
+        self.append_n([b for b in blocks if b._block_hash is not None])
+
+    def _push(self, b: KVCacheBlock) -> None:
+        bid = b.block_id
+        self._version[bid] += 1
+        self._is_free[bid] = 1
+        self._blocks[bid] = b
+        link = self.parent[bid]
+        if link is not None and link[0]._block_hash != link[1]:
+            self._orphans.append(b)
+            return
+        heapq.heappush(self._heap, (-self.next_use[bid], -self.depth[bid], bid, self._version[bid]))
+
+    def rekey(self, b: KVCacheBlock) -> None:
+        """The oracle changed ``b``'s next use: re-rank it if it is free."""
+        if self._is_free[b.block_id] and b._block_hash is not None:
+            self._push(b)
+
+    def _orphan_children(self, b: KVCacheBlock) -> None:
+        """``b`` is being evicted: its free children can no longer be hit."""
+        kids = self.children.pop(b.block_id, None)
+        if not kids:
+            return
+        parent, is_free, version = self.parent, self._is_free, self._version
+        for cid in kids:
+            link = parent[cid]
+            if link is not None and link[0] is b and is_free[cid]:
+                version[cid] += 1  # drop its heap entry
+                self._orphans.append(self._blocks[cid])
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for b in blocks:
+            if b._block_hash is None:
+                self._fresh.append(b)
+                self._is_free[b.block_id] = 1
+            else:
+                self._push(b)
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        # _fresh is popped from its end: put these where they come out first.
+        for b in reversed(blocks):
+            self._fresh.append(b)
+            self._is_free[b.block_id] = 1
+        self.num_free_blocks += len(blocks)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        bid = block.block_id
+        if not self._is_free[bid]:
+            raise RuntimeError(f"remove() called on a block that is not free: {bid}")
+        self._is_free[bid] = 0
+        self._version[bid] += 1  # its heap entry is now stale
+        if block._block_hash is None:
+            self._fresh.remove(block)
+        self.num_free_blocks -= 1
+        # (a stale entry in _orphans is skipped when popped: it is not free)
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free_blocks <= 0:
+            raise ValueError("No free blocks available")
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        assert n <= self.num_free_blocks
+        out: list[KVCacheBlock] = []
+        fresh, heap, version, is_free = self._fresh, self._heap, self._version, self._is_free
+        orphans = self._orphans
+        while len(out) < n and fresh:
+            b = fresh.pop()
+            is_free[b.block_id] = 0
+            out.append(b)
+        while len(out) < n:
+            if orphans:
+                b = orphans.pop()
+                if not is_free[b.block_id]:
+                    continue
+            else:
+                _, _, bid, ver = heapq.heappop(heap)
+                if ver != version[bid] or not is_free[bid]:
+                    continue
+                b = self._blocks[bid]
+            is_free[b.block_id] = 0
+            out.append(b)
+            self._orphan_children(b)
+        self.num_free_blocks -= n
+        if len(heap) > 4 * (self.num_free_blocks + 64):
+            self._compact()
+        return out
+
+    def _compact(self) -> None:
+        version, is_free = self._version, self._is_free
+        self._heap = [e for e in self._heap if e[3] == version[e[2]] and is_free[e[2]]]
+        heapq.heapify(self._heap)
+
+    def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
+        yield from reversed(self._fresh)
+        yield from (b for b in reversed(self._orphans) if self._is_free[b.block_id])
+        live = sorted(e for e in self._heap if e[3] == self._version[e[2]] and self._is_free[e[2]])
+        for e in live:
+            yield self._blocks[e[2]]
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        return list(self.iter_eviction_order())
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        found = cursor is None
+        for b in self.iter_eviction_order():
+            if found:
+                yield b
+            elif b is cursor:
+                found = True
+
+
+class BeladyOracle:
+    """Keeps each cached block's next use current in a :class:`BeladyFreeQueue`.
+
+    Every arriving request refreshes the next use of every cached block
+    holding one of its prompt's hashes, hit or not: a block the request does
+    not reach (its lookup stopped earlier, or the request did not fit) would
+    otherwise keep a next use in the past and never be evicted.
+    """
+
+    def __init__(self, queue: BeladyFreeQueue, next_req: np.ndarray, offsets: np.ndarray) -> None:
+        self.queue = queue
+        self.next_req = next_req
+        self.offsets = offsets
+        self.trace_hash: list[int | None] = [None] * len(queue.next_use)
+        self.blocks_of: dict[int, set[int]] = {}  # trace hash -> ids of blocks holding it
+        self._block: dict[int, KVCacheBlock] = {}
+
+    def _next_uses(self, index: int, n: int) -> list[int]:
+        start = int(self.offsets[index])
+        return self.next_req[start : start + n].tolist()
+
+    def on_arrival(self, index: int, hashes: Sequence[int]) -> None:
+        """Request ``index`` arrived with prompt ``hashes`` (before it is served)."""
+        blocks_of = self.blocks_of
+        nxt = None
+        q = self.queue
+        for j, h in enumerate(hashes):
+            bs = blocks_of.get(h)
+            if not bs:
+                continue
+            if nxt is None:
+                nxt = self._next_uses(index, len(hashes))
+            for bid in bs:
+                q.next_use[bid] = nxt[j]
+                q.depth[bid] = j
+                q.rekey(self._block[bid])
+
+    def on_admitted(self, index: int, blocks: Sequence[KVCacheBlock], hashes: Sequence[int]) -> None:
+        """Request ``index`` holds ``blocks`` (prompt order): record their next uses."""
+        nxt = self._next_uses(index, len(blocks))
+        q = self.queue
+        next_use, depth, parent, children = q.next_use, q.depth, q.parent, q.children
+        trace_hash, blocks_of = self.trace_hash, self.blocks_of
+        prev = None
+        for j, b in enumerate(blocks):
+            bid = b.block_id
+            h = hashes[j]
+            old = trace_hash[bid]
+            if old != h:
+                if old is not None:
+                    stale = blocks_of.get(old)
+                    if stale is not None:
+                        stale.discard(bid)
+                        if not stale:
+                            del blocks_of[old]
+                trace_hash[bid] = h
+                blocks_of.setdefault(h, set()).add(bid)
+                self._block[bid] = b
+            next_use[bid] = nxt[j]
+            depth[bid] = j
+            if prev is None:
+                parent[bid] = None
+            else:
+                parent[bid] = (prev, prev._block_hash)
+                children.setdefault(prev.block_id, set()).add(bid)
+            prev = b

@@ -1,0 +1,160 @@
+"""The two replay drivers: a block-level pool, and vLLM's real KVCacheManager.
+
+Both take trace requests one at a time (``admit`` at arrival, ``release`` at
+finish) and report the prompt blocks that hit the prefix cache; both drive
+the policy's queue (and its tagger) in the same order of operations, so they
+give identical hit counts (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_wa.replay.policies import ReplayClock, ReplayPolicy
+from vllm_wa.replay.sim_pool import SimBlockPool
+from vllm_wa.replay.trace import Trace, TraceRequest
+
+ENGINES = ("fast", "vllm")
+
+
+def _outcome(req: TraceRequest) -> str:
+    # A finished request's engine-side outcome is "stop" unless the trace
+    # says what its reply did (the API server reports tool calls).
+    return req.outcome or "stop"
+
+
+class FastEngine:
+    """Block-level driver over :class:`SimBlockPool` (for sweeps)."""
+
+    def __init__(self, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: ReplayClock) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.pool = SimBlockPool(num_blocks, policy.queue_factory(clock))
+
+    def admit(self, index: int, req: TraceRequest) -> int:
+        """Serve a request's prompt; returns its hit blocks, or -1 if it did not fit."""
+        pool, policy = self.pool, self.policy
+        hashes = req.hash_ids
+        if policy.oracle is not None:
+            policy.oracle.on_arrival(index, hashes)
+        hits = pool.lookup(hashes)
+        n_hit = len(hits)
+        tagger = policy.tagger
+        if tagger is not None:
+            tags = tagger.request_tags(req.request_id, req.tag)
+            tagger.on_lookup(tags, hits, hashes, self.clock.t)
+        if not pool.allocate(req.request_id, hashes, hits):
+            if tagger is not None:
+                tagger.forget(req.request_id)
+            return -1
+        if policy.oracle is not None:
+            policy.oracle.on_admitted(index, pool.held[req.request_id], hashes)
+        return n_hit
+
+    def release(self, req: TraceRequest) -> None:
+        tagger = self.policy.tagger
+        if tagger is not None:
+            tags = tagger.request_tags(req.request_id, req.tag, _outcome(req))
+            tagger.on_free(tags, self.pool.held[req.request_id], self.clock.t)
+        self.pool.release(req.request_id)
+
+
+class VLLMEngine:
+    """Drives vLLM's own ``KVCacheManager`` with synthesized token ids.
+
+    Every trace block becomes ``tokens_per_block`` token ids derived from its
+    hash id, so vLLM's chained block hashing reproduces the trace's prefix
+    structure; the manager's block size is ``tokens_per_block``.
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        policy: ReplayPolicy,
+        num_blocks: int,
+        clock: ReplayClock,
+        tokens_per_block: int = 4,
+    ) -> None:
+        import torch
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        init_none_hash(sha256)
+        k = tokens_per_block
+        self.k = k
+        self.policy = policy
+        self.clock = clock
+        self._hasher = get_request_block_hasher(k, sha256)
+        max_len = max(len(r.hash_ids) for r in trace.requests) * k + 1
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"],
+                    FullAttentionSpec(block_size=k, num_kv_heads=1, head_size=1, dtype=torch.float32),
+                )
+            ],
+        )
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=max_len,
+            scheduler_block_size=k,
+            hash_block_size=k,
+            enable_caching=True,
+        )
+        policy.install_vllm(self.manager.block_pool, clock)
+        self._live: dict[str, Any] = {}
+
+    def _request(self, req: TraceRequest) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        k = self.k
+        tokens = [h * k + j for h in req.hash_ids for j in range(k)]
+        sp = SamplingParams(max_tokens=1, extra_args={"type_info": req.tag})
+        sp.update_from_generation_config({}, eos_token_id=None)
+        return Request(
+            request_id=req.request_id,
+            prompt_token_ids=tokens,
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+    def admit(self, index: int, req: TraceRequest) -> int:
+        m = self.manager
+        if self.policy.oracle is not None:
+            self.policy.oracle.on_arrival(index, req.hash_ids)
+        vreq = self._request(req)
+        blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
+        new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
+        if new is None:
+            m.free(vreq)  # nothing is held; lets the hooks forget the lookup
+            return -1
+        vreq.num_computed_tokens = vreq.num_tokens
+        self._live[req.request_id] = vreq
+        if self.policy.oracle is not None:
+            self.policy.oracle.on_admitted(index, m.coordinator.get_blocks(req.request_id)[0], req.hash_ids)
+        return n_hit_tokens // self.k
+
+    def release(self, req: TraceRequest) -> None:
+        from vllm.v1.request import RequestStatus
+
+        vreq = self._live.pop(req.request_id)
+        tagger = self.policy.tagger
+        if tagger is not None and req.outcome is not None:
+            # What the API server would report once it parsed the reply.
+            tagger.reclassify(req.request_id, req.outcome)
+        vreq.status = RequestStatus.FINISHED_STOPPED
+        self.manager.free(vreq)
+
+
+def make_engine(kind: str, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: ReplayClock) -> Any:
+    if kind == "fast":
+        return FastEngine(trace, policy, num_blocks, clock)
+    if kind == "vllm":
+        return VLLMEngine(trace, policy, num_blocks, clock)
+    raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINES}")

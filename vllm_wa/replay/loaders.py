@@ -1,0 +1,347 @@
+"""Trace loaders: Bailian JSON lines, Mooncake JSON lines, agentic-coding conversations.
+
+Malformed input raises :class:`TraceFormatError` naming the file and line (or
+conversation), unless ``skip_bad`` is set, in which case bad records are
+skipped and counted in ``Trace.skipped_lines``.  A partial result is never
+returned silently.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+import math
+import os
+import random
+import tarfile
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from vllm_wa.replay.trace import Trace, TraceRequest
+
+FORMATS = ("bailian", "mooncake", "agentic")
+BAILIAN_BLOCK = 16
+MOONCAKE_BLOCK = 512
+# Bailian turns are bucketed so classes stay bounded: 1, 2, 3, then "4" = 4+.
+BAILIAN_MAX_TURN = 4
+_OUTCOMES = {"tool_use": "tool", "end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}
+
+
+class TraceFormatError(ValueError):
+    """A trace record that cannot be read; says where."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}")
+        self.where = where
+
+
+@dataclass
+class AgenticOptions:
+    """How conversations become one server trace."""
+
+    window: float = 3600.0  # start offsets uniform in [0, window]
+    cut: float = 7200.0  # drop requests arriving after this
+    max_conversations: int | None = None
+    seed: int = 0
+
+
+def _open_text(path: str) -> IO[str]:
+    if path.endswith(".xz"):
+        return io.TextIOWrapper(lzma.open(path, "rb"), encoding="utf-8")
+    if path.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    if path.endswith(".bz2"):
+        return io.TextIOWrapper(bz2.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def detect_format(path: str) -> str:
+    """Guess a trace's format from its name and first record."""
+    if os.path.isdir(path) or any(path.endswith(s) for s in (".tar", ".tar.xz", ".tar.gz", ".tgz")):
+        return "agentic"
+    try:
+        with _open_text(path) as f:
+            first = f.readline().strip()
+            if path.endswith(".json") and not first.endswith("}"):
+                return "agentic"
+    except OSError as e:
+        raise TraceFormatError(path, f"cannot read: {e}") from e
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        return "agentic" if path.endswith(".json") else "unknown"
+    if isinstance(rec, dict):
+        if "requests" in rec:
+            return "agentic"
+        if "chat_id" in rec:
+            return "bailian"
+        if "hash_ids" in rec and "timestamp" in rec:
+            return "mooncake"
+    raise TraceFormatError(path, "unrecognized trace format; pass --format")
+
+
+def load_trace(
+    path: str,
+    fmt: str | None = None,
+    *,
+    skip_bad: bool = False,
+    agentic: AgenticOptions | None = None,
+) -> Trace:
+    fmt = fmt or detect_format(path)
+    if fmt == "bailian":
+        return load_bailian(path, skip_bad=skip_bad)
+    if fmt == "mooncake":
+        return load_mooncake(path, skip_bad=skip_bad)
+    if fmt == "agentic":
+        return load_agentic(path, agentic or AgenticOptions(), skip_bad=skip_bad)
+    raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
+
+
+# ---- JSON lines ----------------------------------------------------------------------------
+
+
+def _json_lines(path: str) -> Iterator[tuple[int, str]]:
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise TraceFormatError(path, f"cannot read: {e}") from e
+
+
+def _int_field(rec: dict, key: str, *, lo: int = 0) -> int:
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or v != int(v):
+        raise ValueError(f"field {key!r} must be an integer >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _float_field(rec: dict, key: str) -> float:
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"field {key!r} must be a non-negative number, got {v!r}")
+    return float(v)
+
+
+def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0) -> array:
+    v = rec.get(key)
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"field {key!r} must be a non-empty list of integers")
+    try:
+        out = array("q", v if not offset else [offset | h for h in v])
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"field {key!r} must hold integers: {e}") from None
+    if min(out) < offset:
+        raise ValueError(f"field {key!r} holds a negative id")
+    return out
+
+
+def _finish(name: str, block_size: int, fmt: str, reqs: list[TraceRequest], skipped: int, path: str) -> Trace:
+    if not reqs:
+        raise TraceFormatError(path, "no usable requests")
+    reqs.sort(key=lambda r: r.arrival)
+    return Trace(name, block_size, reqs, fmt, skipped_lines=skipped)
+
+
+def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
+    """Aliyun Bailian traces (``alibaba-edu/qwen-bailian-usagetraces-anon``).
+
+    Class tag ``f"{type}_{turn}"`` as in PR #22236, turns 4 and above folded
+    into ``_4``.  Conversations are followed through ``parent_chat_id``.
+    """
+    reqs: list[TraceRequest] = []
+    skipped = 0
+    root_of: dict[int, int] = {}
+    synthetic = False
+    for lineno, line in _json_lines(path):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("record is not an object")
+            chat = _int_field(rec, "chat_id", lo=-(1 << 62))
+            parent = _int_field(rec, "parent_chat_id", lo=-1)
+            ts = _float_field(rec, "timestamp")
+            n_in = _int_field(rec, "input_length", lo=1)
+            n_out = _int_field(rec, "output_length")
+            typ = rec.get("type")
+            if not isinstance(typ, str) or not typ:
+                raise ValueError(f"field 'type' must be a non-empty string, got {typ!r}")
+            turn = _int_field(rec, "turn", lo=0)
+            hashes = _hash_ids(rec)
+            if len(hashes) != math.ceil(n_in / BAILIAN_BLOCK):
+                raise ValueError(
+                    f"len(hash_ids)={len(hashes)} but ceil(input_length/16)={math.ceil(n_in / BAILIAN_BLOCK)}"
+                )
+        except (ValueError, json.JSONDecodeError) as e:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
+        synthetic = synthetic or bool(rec.get("synthetic"))
+        root = root_of.get(parent, parent) if parent >= 0 else chat
+        root_of[chat] = root
+        reqs.append(
+            TraceRequest(
+                request_id=f"{chat}",
+                arrival=ts,
+                hash_ids=hashes,
+                input_tokens=n_in,
+                output_tokens=n_out,
+                tag=f"{typ}_{min(max(turn, 1), BAILIAN_MAX_TURN)}",
+                conversation=root,
+            )
+        )
+    trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path)
+    trace.synthetic = synthetic
+    return trace
+
+
+def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
+    """Mooncake traces: ``timestamp`` in ms, 512-token blocks, one class."""
+    reqs: list[TraceRequest] = []
+    skipped = 0
+    for lineno, line in _json_lines(path):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("record is not an object")
+            ts = _float_field(rec, "timestamp") / 1000.0
+            n_in = _int_field(rec, "input_length", lo=1)
+            n_out = _int_field(rec, "output_length")
+            hashes = _hash_ids(rec)
+        except (ValueError, json.JSONDecodeError) as e:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
+        reqs.append(
+            TraceRequest(
+                request_id=str(lineno),
+                arrival=ts,
+                hash_ids=hashes,
+                input_tokens=n_in,
+                output_tokens=n_out,
+            )
+        )
+    return _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path)
+
+
+# ---- agentic-coding conversations -----------------------------------------------------------
+
+
+def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
+    """(name, raw JSON) of every ``trace_*.json`` in a directory, archive or file."""
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".json"):
+                with open(os.path.join(path, name), "rb") as f:
+                    yield os.path.join(path, name), f.read()
+        return
+    if tarfile.is_tarfile(path):
+        try:
+            with tarfile.open(path, "r:*") as tar:
+                members = sorted(
+                    (m for m in tar.getmembers() if m.isfile() and m.name.endswith(".json")),
+                    key=lambda m: m.name,
+                )
+                for m in members:
+                    f = tar.extractfile(m)
+                    if f is not None:
+                        yield f"{path}:{m.name}", f.read()
+        except (tarfile.TarError, OSError, EOFError, lzma.LZMAError) as e:
+            raise TraceFormatError(path, f"cannot read archive: {e}") from e
+        return
+    with open(path, "rb") as f:
+        yield path, f.read()
+
+
+def _agentic_tag(req: dict) -> str:
+    kinds = req.get("input_types") or ()
+    if "text" in kinds:
+        return "human"
+    if "tool_result" in kinds:
+        return "tool"
+    return "other"
+
+
+def _agentic_requests(
+    reqs: Any, where: str, conv: int, offset: float, namespace: int, opts: AgenticOptions, out: list[TraceRequest]
+) -> None:
+    if not isinstance(reqs, list):
+        raise ValueError("'requests' must be a list")
+    for i, r in enumerate(reqs):
+        if not isinstance(r, dict):
+            raise ValueError(f"request {i} is not an object")
+        if r.get("type") == "subagent":
+            # A nested sub-agent run: its own conversation, its parent's clock.
+            sub = r.get("requests")
+            _agentic_requests(sub, f"{where}/sub{i}", -conv - 1, offset, namespace, opts, out)
+            continue
+        t = _float_field(r, "t")
+        arrival = offset + t
+        if arrival >= opts.cut:
+            continue
+        hashes = _hash_ids(r, offset=namespace)
+        api = r.get("api_time")
+        out.append(
+            TraceRequest(
+                request_id=f"{where}#{i}",
+                arrival=arrival,
+                hash_ids=hashes,
+                input_tokens=_int_field(r, "in", lo=1),
+                output_tokens=_int_field(r, "out"),
+                tag=_agentic_tag(r),
+                conversation=conv,
+                outcome=_OUTCOMES.get(r.get("stop"), "stop" if r.get("stop") else None),
+                service_time=float(api) if isinstance(api, (int, float)) and math.isfinite(api) and api >= 0 else None,
+            )
+        )
+
+
+def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: bool = False) -> Trace:
+    """Agentic-coding conversations (``callanjfox/kv-cache-tester`` traces).
+
+    Each conversation gets a seeded start offset uniform in ``[0, window]``;
+    request time = offset + ``t``; requests at or after ``cut`` are dropped.
+    Hash ids are namespaced per conversation file.
+    """
+    opts = opts or AgenticOptions()
+    files = list(_conversation_files(path))
+    if not files:
+        raise TraceFormatError(path, "no trace_*.json conversations found")
+    rng = random.Random(opts.seed)
+    if opts.max_conversations is not None and opts.max_conversations < len(files):
+        files = sorted(rng.sample(files, opts.max_conversations))
+    offsets = [rng.uniform(0.0, opts.window) for _ in files]
+    reqs: list[TraceRequest] = []
+    skipped = 0
+    block_size = None
+    for conv, ((where, raw), offset) in enumerate(zip(files, offsets)):
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or "requests" not in doc:
+                raise ValueError("not a conversation object with 'requests'")
+            bs = _int_field(doc, "block_size", lo=1) if "block_size" in doc else 64
+            if block_size is None:
+                block_size = bs
+            elif bs != block_size:
+                raise ValueError(f"block_size {bs} differs from earlier conversations' {block_size}")
+            part: list[TraceRequest] = []
+            _agentic_requests(doc["requests"], os.path.basename(where), conv, offset, (conv + 1) << 40, opts, part)
+        except (ValueError, json.JSONDecodeError) as e:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise TraceFormatError(where, str(e)) from None
+        reqs.extend(part)
+    trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path)
+    trace.notes.append(
+        f"{len(files)} conversations, offsets uniform in [0, {opts.window:g}] s (seed {opts.seed}), cut at {opts.cut:g} s"
+    )
+    return trace

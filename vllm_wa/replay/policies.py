@@ -1,0 +1,121 @@
+"""Eviction policies a replay can run, each a free queue plugged into a pool.
+
+A policy builds its queue either inside the replay's block-level pool
+(``queue_factory``) or inside a real vLLM ``BlockPool`` (``install_vllm``);
+either way the same queue classes and the same block tagger do the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from vllm_wa.engine_patch.block_tagger import BlockTagger, ClassKeyFunction
+from vllm_wa.engine_patch.events import EventSink
+from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+from vllm_wa.engine_patch.install import install_wa_queue
+from vllm_wa.params import WAParams
+from vllm_wa.replay.belady import BeladyFreeQueue, BeladyOracle
+from vllm_wa.workload_classes import ClassRegistry
+
+POLICIES = ("lru", "wa-offline", "opt", "infinite", "wa-online")
+
+
+class ReplayClock:
+    """Trace time, set by the replay loop; every queue and controller reads it."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class ReplayPolicy:
+    """Base: vLLM's LRU queue, no tagging."""
+
+    name: str = "lru"
+    queue: Any = None
+    tagger: BlockTagger | None = None
+    oracle: BeladyOracle | None = None
+    unbounded: bool = False  # the replay sizes the pool so nothing is evicted
+
+    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+        def make(blocks: list[KVCacheBlock]) -> Any:
+            self.queue = FreeKVCacheBlockQueue(blocks)
+            return self.queue
+
+        return make
+
+    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+        self.queue = block_pool.free_block_queue
+
+    def advance(self, now: float) -> None:
+        """Run whatever is due at trace time ``now`` (the online controller)."""
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class StaticWAPolicy(ReplayPolicy):
+    """The WA queue with fixed parameters (the PR's offline-profiled workflow)."""
+
+    params: WAParams = field(default_factory=WAParams.lru)
+    class_key: ClassKeyFunction | None = None
+    sink: EventSink | None = None
+    registry: ClassRegistry = field(default_factory=ClassRegistry)
+
+    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+        def make(blocks: list[KVCacheBlock]) -> Any:
+            self.queue = WorkloadAwareFreeQueue(
+                blocks, self.params, clock=clock, registry=self.registry, sink=self.sink
+            )
+            self.tagger = BlockTagger(self.queue, blocks, sink=self.sink, class_key=self.class_key)
+            return self.queue
+
+        return make
+
+    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+        handle = install_wa_queue(
+            block_pool,
+            self.params,
+            clock=clock,
+            sink=self.sink,
+            registry=self.registry,
+            class_key=self.class_key,
+        )
+        self.queue, self.tagger = handle.queue, handle.tagger
+
+    def report(self) -> dict[str, Any]:
+        return {"params": self.params.to_pr_json()}
+
+
+@dataclass
+class OptPolicy(ReplayPolicy):
+    """Belady's optimum, from the trace's future."""
+
+    next_req: Any = None
+    offsets: Any = None
+
+    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+        def make(blocks: list[KVCacheBlock]) -> Any:
+            self.queue = BeladyFreeQueue(blocks)
+            self.oracle = BeladyOracle(self.queue, self.next_req, self.offsets)
+            return self.queue
+
+        return make
+
+    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+        free = block_pool.free_block_queue.get_all_free_blocks()
+        for b in free:
+            b.prev_free_block = b.next_free_block = None
+        self.queue = BeladyFreeQueue(free, num_block_ids=len(block_pool.blocks))
+        self.oracle = BeladyOracle(self.queue, self.next_req, self.offsets)
+        block_pool.free_block_queue = self.queue

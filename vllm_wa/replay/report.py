@@ -1,0 +1,119 @@
+"""Tables, JSON records and plots of replay results."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_wa.replay.runner import RunResult
+
+
+def gap_closed(results: Sequence[RunResult], r: RunResult) -> float | None:
+    """``(policy - lru) / (opt - lru)`` in token hit rate, at the same cache size."""
+    by = {(x.policy, x.cache_blocks): x for x in results if x.trace == r.trace}
+    lru = by.get(("lru", r.cache_blocks))
+    opt = by.get(("opt", r.cache_blocks))
+    if lru is None or opt is None or r.policy in ("infinite",):
+        return None
+    span = opt.token_hit_rate - lru.token_hit_rate
+    if span <= 1e-12:
+        return None
+    return (r.token_hit_rate - lru.token_hit_rate) / span
+
+
+def records(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    out = []
+    for r in results:
+        d = r.to_json()
+        d["gap_closed"] = gap_closed(results, r)
+        out.append(d)
+    return out
+
+
+def format_table(results: Sequence[RunResult], unique_blocks: dict[str, int] | None = None) -> str:
+    lines = []
+    for trace in dict.fromkeys(r.trace for r in results):
+        rs = [r for r in results if r.trace == trace]
+        sizes = sorted({r.cache_blocks for r in rs if r.policy != "infinite"})
+        policies = list(dict.fromkeys(r.policy for r in rs))
+        lines.append(f"trace {trace}: token hit rate % (block hit rate %) [share of the LRU->OPT gap closed]")
+        uniq = (unique_blocks or {}).get(trace)
+        head = f"{'policy':<12}" + "".join(
+            f"{(f'{n} blk' + (f' ({100 * n / uniq:.0f}%)' if uniq else '')):>26}" for n in sizes
+        )
+        lines.append(head)
+        by = {(r.policy, r.cache_blocks): r for r in rs}
+        for p in policies:
+            if p == "infinite":
+                inf = next(r for r in rs if r.policy == "infinite")
+                lines.append(
+                    f"{p:<12}{f'{100 * inf.token_hit_rate:.2f} ({100 * inf.block_hit_rate:.2f}) at any size':>26}"
+                )
+                continue
+            cells = []
+            for n in sizes:
+                r = by.get((p, n))
+                if r is None:
+                    cells.append(f"{'-':>26}")
+                    continue
+                g = gap_closed(results, r)
+                gs = f" [{100 * g:+.1f}%]" if g is not None and p not in ("lru", "opt") else ""
+                cells.append(f"{f'{100 * r.token_hit_rate:.2f} ({100 * r.block_hit_rate:.2f}){gs}':>26}")
+            lines.append(f"{p:<12}" + "".join(cells))
+        over = {r.cache_blocks: r.overflow for r in rs if r.policy == "lru"}
+        if any(over.values()):
+            lines.append(
+                "overflow (requests whose pinned blocks did not fit, counted as misses): "
+                + ", ".join(f"{n} blk: {o}" for n, o in sorted(over.items()))
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_json(results: Sequence[RunResult], path: str, meta: dict[str, Any] | None = None) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta or {}, "results": records(results)}, f, indent=1)
+
+
+def plot(results: Sequence[RunResult], path: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(r.trace for r in results))
+    windows = any(r.windows for r in results)
+    rows = 2 if windows else 1
+    fig, axes = plt.subplots(rows, len(traces), figsize=(6 * len(traces), 4.2 * rows), squeeze=False)
+    for col, trace in enumerate(traces):
+        ax = axes[0][col]
+        rs = [r for r in results if r.trace == trace]
+        for p in dict.fromkeys(r.policy for r in rs):
+            pts = sorted((r.cache_blocks, 100 * r.token_hit_rate) for r in rs if r.policy == p)
+            if p == "infinite":
+                ax.axhline(pts[0][1], color="gray", linestyle=":", label="infinite")
+                continue
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_xlabel("cache size (blocks)")
+        ax.set_ylabel("token hit rate (%)")
+        ax.set_title(title or trace)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        if windows:
+            ax2 = axes[1][col]
+            size = min(r.cache_blocks for r in rs if r.windows and r.policy != "infinite")
+            for r in rs:
+                if r.windows and r.cache_blocks == size:
+                    ax2.plot(
+                        [w["start"] for w in r.windows],
+                        [100 * w["token_hit_rate"] for w in r.windows],
+                        label=r.policy,
+                    )
+            ax2.set_xlabel("trace time (s)")
+            ax2.set_ylabel(f"windowed token hit rate (%), {size} blocks")
+            ax2.grid(alpha=0.3)
+            ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

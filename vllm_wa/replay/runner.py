@@ -1,0 +1,268 @@
+"""Replay a trace through each (policy, cache size) and measure prefix-cache hits.
+
+Every policy replays the whole trace on the same timeline; hits count only
+for requests arriving after the profiling window, so all policies are warmed
+identically and measured on the same requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from vllm_wa.params import WAParams
+from vllm_wa.replay.belady import next_use_table
+from vllm_wa.replay.engines import make_engine
+from vllm_wa.replay.lifetime import LifetimeModel
+from vllm_wa.replay.policies import POLICIES, OptPolicy, ReplayClock, ReplayPolicy, StaticWAPolicy
+from vllm_wa.replay.profile import profile_trace
+from vllm_wa.replay.trace import Trace
+
+
+@dataclass
+class RunResult:
+    """Hit counts of one policy at one cache size, over the evaluation window."""
+
+    trace: str
+    policy: str
+    cache_blocks: int
+    engine: str
+    requests: int = 0
+    overflow: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    hit_blocks: int = 0
+    prompt_blocks: int = 0
+    wall_s: float = 0.0
+    windows: list[dict[str, float]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["token_hit_rate"] = self.token_hit_rate
+        d["block_hit_rate"] = self.block_hit_rate
+        return d
+
+
+@dataclass
+class ReplayConfig:
+    """How to replay; shared by every run of a sweep."""
+
+    engine: str = "fast"
+    profile_fraction: float = 0.5
+    lifetime: LifetimeModel = field(default_factory=LifetimeModel)
+    window_seconds: float | None = None
+    tag_swap: tuple[str, str] | None = None
+    seed: int = 0
+    controller_config: Any = None  # vllm_wa.controller.config.ControllerConfig for wa-online
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.profile_fraction < 1.0:
+            raise ValueError(f"profile fraction must be in [0, 1), got {self.profile_fraction}")
+        if self.window_seconds is not None and self.window_seconds <= 0:
+            raise ValueError("window seconds must be positive")
+
+
+def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
+    """From ``since`` on, requests tagged A are tagged B and the other way round."""
+    a, b = swap
+    out = []
+    for r in trace.requests:
+        if r.arrival >= since and r.tag in (a, b):
+            r = replace(r, tag=b if r.tag == a else a)
+        out.append(r)
+    return Trace(trace.name, trace.block_size, out, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+
+
+def run_one(
+    trace: Trace,
+    policy: ReplayPolicy,
+    num_blocks: int,
+    cfg: ReplayConfig,
+    eval_start: float,
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Replay ``trace`` through ``policy`` in a pool of ``num_blocks`` blocks."""
+    clock = ReplayClock(trace.start)
+    if policy.unbounded:
+        num_blocks = trace.unique_blocks() + len(trace.requests) + 2
+    engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
+    res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
+    bs = trace.block_size
+    lifetime = cfg.lifetime
+    finishing: list[tuple[float, int]] = []
+    reqs = trace.requests
+    win = cfg.window_seconds
+    win_hits: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+    for i, req in enumerate(reqs):
+        t = req.arrival
+        while finishing and finishing[0][0] <= t:
+            ft, j = heapq.heappop(finishing)
+            clock.t = ft
+            policy.advance(ft)
+            engine.release(reqs[j])
+        clock.t = t
+        policy.advance(t)
+        n_hit = engine.admit(i, req)
+        if n_hit >= 0:
+            heapq.heappush(finishing, (t + lifetime.service_time(req), i))
+        hit_tokens = min(n_hit * bs, req.input_tokens) if n_hit > 0 else 0
+        if t >= eval_start:
+            res.requests += 1
+            res.prompt_tokens += req.input_tokens
+            res.prompt_blocks += len(req.hash_ids)
+            if n_hit < 0:
+                res.overflow += 1
+            else:
+                res.hit_blocks += n_hit
+                res.hit_tokens += hit_tokens
+        if win is not None:
+            w = win_hits.setdefault(int((t - trace.start) // win), [0, 0])
+            w[0] += hit_tokens
+            w[1] += req.input_tokens
+        if progress is not None and i % 1000 == 999:
+            progress(1000)
+    if progress is not None:
+        progress(len(reqs) % 1000)
+    res.wall_s = time.perf_counter() - t0
+    if win is not None:
+        res.windows = [
+            {"start": trace.start + k * win, "token_hit_rate": h / p if p else 0.0, "prompt_tokens": p}
+            for k, (h, p) in sorted(win_hits.items())
+        ]
+    res.extra = policy.report()
+    return res
+
+
+# ---- sweeps ------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepSetup:
+    """What every run of a sweep shares, computed once in the parent process."""
+
+    trace: Trace
+    cfg: ReplayConfig
+    eval_start: float
+    offline_params: WAParams | None = None
+    next_req: Any = None
+    offsets: Any = None
+
+
+_SETUP: SweepSetup | None = None
+
+
+def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSetup:
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; expected some of {POLICIES}")
+    eval_start = trace.eval_start(cfg.profile_fraction)
+    if cfg.tag_swap is not None:
+        trace = swap_tags(trace, cfg.tag_swap, eval_start)
+    setup = SweepSetup(trace, cfg, eval_start)
+    if "wa-offline" in policies:
+        setup.offline_params = profile_trace(trace, eval_start, cfg.lifetime)
+    if "opt" in policies:
+        setup.next_req, setup.offsets = next_use_table(trace)
+    return setup
+
+
+def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
+    if name == "lru":
+        return ReplayPolicy("lru")
+    if name == "infinite":
+        return ReplayPolicy("infinite", unbounded=True)
+    if name == "wa-offline":
+        return StaticWAPolicy("wa-offline", params=setup.offline_params)
+    if name == "opt":
+        return OptPolicy("opt", next_req=setup.next_req, offsets=setup.offsets)
+    if name == "wa-online":
+        from vllm_wa.controller.replay_policy import OnlineWAPolicy
+
+        return OnlineWAPolicy.create(setup.cfg.controller_config, setup.trace)
+    raise ValueError(f"unknown policy {name!r}")
+
+
+def _run_task(task: tuple[str, int]) -> RunResult:
+    assert _SETUP is not None
+    name, blocks = task
+    s = _SETUP
+    return run_one(s.trace, make_policy(name, s), blocks, s.cfg, s.eval_start)
+
+
+def sweep(
+    setup: SweepSetup,
+    policies: Sequence[str],
+    sizes: Sequence[int],
+    jobs: int = 0,
+    on_result: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
+    """Run every (policy, size); ``infinite`` runs once. Parallel over processes."""
+    global _SETUP
+    tasks: list[tuple[str, int]] = []
+    for p in policies:
+        for n in [sizes[-1]] if p == "infinite" else sizes:
+            tasks.append((p, n))
+    # Longest first: Belady and the online controller cost the most.
+    cost = {"opt": 3, "wa-online": 4, "wa-offline": 2, "lru": 1, "infinite": 1}
+    tasks.sort(key=lambda t: -cost.get(t[0], 1))
+    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    _SETUP = setup
+    results: list[RunResult] = []
+    if jobs <= 1 or len(tasks) == 1:
+        for t in tasks:
+            r = _run_task(t)
+            results.append(r)
+            if on_result:
+                on_result(r)
+    else:
+        ctx = mp.get_context("fork")
+        with ctx.Pool(jobs) as pool:
+            for r in pool.imap_unordered(_run_task, tasks):
+                results.append(r)
+                if on_result:
+                    on_result(r)
+    _SETUP = None
+    order = {p: i for i, p in enumerate(policies)}
+    results.sort(key=lambda r: (order[r.policy], r.cache_blocks))
+    return results
+
+
+def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
+    """``"1000,2000"`` blocks, or ``"5%,10%"`` of the unique blocks in the evaluation window."""
+    sizes = []
+    unique = None
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.endswith("%"):
+            if unique is None:
+                unique = trace.unique_blocks(since=eval_start)
+            frac = float(part[:-1]) / 100.0
+            if not 0 < frac:
+                raise ValueError(f"cache size {part!r} must be positive")
+            sizes.append(max(2, int(math.ceil(unique * frac))))
+        else:
+            n = int(part)
+            if n < 2:
+                raise ValueError(f"cache size {part!r} must be at least 2 blocks")
+            sizes.append(n)
+    if not sizes:
+        raise ValueError("no cache sizes given")
+    return sorted(set(sizes))

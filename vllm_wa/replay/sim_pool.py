@@ -1,0 +1,147 @@
+"""A block-level model of vLLM's prefix-caching block pool, for fast replays.
+
+It runs the very same free-queue objects as the engine (vLLM's
+``FreeKVCacheBlockQueue``, :class:`WorkloadAwareFreeQueue`, the Belady queue)
+over real ``KVCacheBlock`` objects, and mirrors the order of operations of
+``KVCacheManager`` for a single full-attention group: look the prompt up
+(the last block is never a hit, as vLLM recomputes it for logits), check that
+new blocks plus touched free hits fit, touch the hits, pop new blocks
+(evicting their old hashes), cache the prompt, and on release free the blocks
+tail first.  A test checks that it gives the same hits as the real manager.
+
+Hashes here are the trace's integer block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+
+class PoolHooks(Protocol):
+    """What a policy learns from the pool (the block tagger implements it)."""
+
+    def on_lookup(self, req: Any, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any], now: float) -> None: ...
+
+    def on_free(self, req: Any, blocks: Sequence[KVCacheBlock], now: float) -> None: ...
+
+
+class SimBlockPool:
+    """Prefix cache of ``num_blocks`` blocks (block 0 is vLLM's null block).
+
+    Args:
+        num_blocks: pool size including the null block.
+        make_queue: builds the free queue from the block list.
+        prefix_hits: True for vLLM's rule (a hit is the longest cached
+            prefix); False counts every cached block (for miniature caches
+            fed with a hash-sampled subset of each prompt).
+    """
+
+    def __init__(self, num_blocks: int, make_queue: Any, *, prefix_hits: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError("a pool needs at least 2 blocks (one is the null block)")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.queue = make_queue(self.blocks)
+        self.null_block = self.queue.popleft()
+        self.null_block.is_null = True
+        # hash -> the block lookups find; further blocks holding the same hash
+        # (vLLM caches the recomputed last block again) wait in ``_dups``,
+        # oldest first, like ``BlockHashToBlockMap``.
+        self.cached: dict[Any, KVCacheBlock] = {}
+        self._dups: dict[Any, list[KVCacheBlock]] = {}
+        self.held: dict[str, list[KVCacheBlock]] = {}
+        self.prefix_hits = prefix_hits
+        self.hooks: PoolHooks | None = None
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.queue.num_free_blocks
+
+    def lookup(self, hashes: Sequence[Any]) -> list[KVCacheBlock]:
+        """Cached blocks of a prompt: its longest cached prefix, minus the last block."""
+        cached = self.cached
+        out: list[KVCacheBlock] = []
+        limit = len(hashes) - 1 if self.prefix_hits else len(hashes)
+        if self.prefix_hits:
+            for i in range(limit):
+                b = cached.get(hashes[i])
+                if b is None:
+                    break
+                out.append(b)
+        else:
+            for i in range(limit):
+                b = cached.get(hashes[i])
+                if b is not None:
+                    out.append(b)
+        return out
+
+    def allocate(self, rid: str, hashes: Sequence[Any], hits: list[KVCacheBlock]) -> bool:
+        """Pin ``hits`` and new blocks for the rest of the prompt; False if it does not fit."""
+        queue = self.queue
+        if self.prefix_hits:
+            misses = hashes[len(hits):]
+        else:
+            hit_set = {b._block_hash for b in hits}
+            misses = [h for h in hashes if h not in hit_set]
+        n_new = len(misses)
+        evictable = 0
+        for b in hits:
+            if b.ref_cnt == 0:
+                evictable += 1
+        if n_new + evictable > queue.num_free_blocks:
+            return False
+        remove = queue.remove
+        for b in hits:
+            if b.ref_cnt == 0:
+                remove(b)
+            b.ref_cnt += 1
+        new = queue.popleft_n(n_new)
+        cached = self.cached
+        for b, h in zip(new, misses):
+            if b._block_hash is not None:
+                self._uncache(b)
+            b.ref_cnt = 1
+            b._block_hash = h
+            if h in cached:
+                self._dups.setdefault(h, []).append(b)
+            else:
+                cached[h] = b
+        if self.prefix_hits:
+            hits.extend(new)
+            self.held[rid] = hits
+        else:
+            self.held[rid] = hits + new
+        return True
+
+    def _uncache(self, b: KVCacheBlock) -> None:
+        """Evict ``b``'s hash (the block is being reallocated)."""
+        h = b._block_hash
+        dups = self._dups.get(h)
+        if self.cached.get(h) is b:
+            if dups:
+                self.cached[h] = dups.pop(0)
+                if not dups:
+                    del self._dups[h]
+            else:
+                del self.cached[h]
+        elif dups and b in dups:
+            dups.remove(b)
+            if not dups:
+                del self._dups[h]
+        b._block_hash = None
+
+    def release(self, rid: str) -> list[KVCacheBlock]:
+        """Free a request's blocks, tail first (like ``KVCacheManager.free``)."""
+        blocks = self.held.pop(rid)
+        freed = []
+        for b in reversed(blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                freed.append(b)
+        self.queue.append_n(freed)
+        return blocks
+
+    def held_blocks(self, rid: str) -> list[KVCacheBlock]:
+        return self.held.get(rid, [])

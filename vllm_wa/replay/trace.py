@@ -1,0 +1,68 @@
+"""The replay's in-memory trace: requests with prompt block hashes and times."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace, normalized across formats.
+
+    ``hash_ids`` has one id per ``Trace.block_size``-token block of the
+    prompt; ids are global to the trace (per-conversation namespaces are
+    folded in by the loader), and a block's id implies its whole prefix.
+    """
+
+    request_id: str
+    arrival: float
+    hash_ids: array
+    input_tokens: int
+    output_tokens: int
+    tag: str = "default"
+    conversation: int = -1
+    # What the reply did: "tool" (asked for a tool), "stop" (ended the
+    # turn), "length"; None when the trace does not say.
+    outcome: str | None = None
+    # Seconds the request holds its blocks, when the trace records it.
+    service_time: float | None = None
+
+
+@dataclass
+class Trace:
+    """A whole trace, requests sorted by arrival time."""
+
+    name: str
+    block_size: int
+    requests: list[TraceRequest]
+    fmt: str
+    synthetic: bool = False
+    skipped_lines: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def start(self) -> float:
+        return self.requests[0].arrival if self.requests else 0.0
+
+    @property
+    def end(self) -> float:
+        return self.requests[-1].arrival if self.requests else 0.0
+
+    def eval_start(self, profile_fraction: float) -> float:
+        """The time from which hits are measured (after the profiling window)."""
+        return self.start + profile_fraction * (self.end - self.start)
+
+    def unique_blocks(self, since: float = float("-inf"), until: float = float("inf")) -> int:
+        seen: set[int] = set()
+        for r in self.requests:
+            if since <= r.arrival < until:
+                seen.update(r.hash_ids)
+        return len(seen)
+
+    def tags(self) -> list[str]:
+        return sorted({r.tag for r in self.requests})
+
+    def head(self, n: int) -> Trace:
+        """The first ``n`` requests, as a trace of their own."""
+        return Trace(self.name, self.block_size, self.requests[:n], self.fmt, self.synthetic)
