@@ -5,6 +5,7 @@ from vllm_wa.engine_patch.events import (
     EventKind,
     EventSink,
     FinishedEvent,
+    FreedEvent,
     LookupEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
@@ -14,6 +15,7 @@ __all__ = [
     "EventKind",
     "EventSink",
     "FinishedEvent",
+    "FreedEvent",
     "LookupEvent",
     "WorkloadAwareFreeQueue",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink, FinishedEvent, LookupEvent
+from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
 
@@ -244,11 +244,28 @@ class BlockTagger:
                     counted[bid] = b._block_hash
                     counts[bid] = 0
                 cls_of[bid] = reg_id(key(req, pos, counts[bid]))
+        if sink is None:
+            return
         if want_flags:
             is_sampled = sink.is_sampled
             for b in blocks:
                 h = b._block_hash
                 sampled[b.block_id] = h is not None and is_sampled(h)
+        self._emit_freed(req, blocks)
+
+    def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+        """A FREED event for each sampled block this release puts on the free list."""
+        sink = self.sink
+        sampled = self.queue.sampled
+        all_ = sink.samples_all
+        now = self.queue.clock()
+        counts, counted = self.reuse_count, self._counted_hash
+        for pos, b in enumerate(blocks):
+            h = b._block_hash
+            bid = b.block_id
+            if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
+                reuse = counts[bid] if counted[bid] == h else 0
+                sink.emit(FreedEvent(EventKind.FREED, now, h, req.tag, req.outcome, pos, reuse))
 
     # ---- late facts --------------------------------------------------------------------
 

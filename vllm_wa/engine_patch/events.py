@@ -30,10 +30,26 @@ class EventKind(IntEnum):
     FINISHED = 4
 
 
+class FreedEvent(NamedTuple):
+    """A sampled block is released by its last holder, with its features.
+
+    ``tag`` and ``outcome`` describe the request that released it,
+    ``position`` is the block's index in that prompt and ``reuse_count`` how
+    many prefix hits it has had: what a class key may be built from.
+    """
+
+    kind: EventKind
+    time: float
+    block_hash: Any
+    tag: str
+    outcome: str | None
+    position: int
+    reuse_count: int
+
+
 class BlockEvent(NamedTuple):
     """A free-list transition of one sampled block.
 
-    ``FREED``: the block entered the free list (``idle`` is 0).
     ``REUSED``: a prefix hit took it off the free list after ``idle`` seconds.
     ``EVICTED``: it was reallocated after ``idle`` seconds; ``block_hash`` is
     the hash it held, for the controller's ghost table.
@@ -75,7 +91,7 @@ class FinishedEvent(NamedTuple):
     num_blocks: int
 
 
-Event = BlockEvent | LookupEvent | FinishedEvent
+Event = FreedEvent | BlockEvent | LookupEvent | FinishedEvent
 
 
 def hash_sample_value(block_hash: Any) -> int:

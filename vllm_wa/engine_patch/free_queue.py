@@ -230,9 +230,6 @@ class WorkloadAwareFreeQueue:
         freed[cur] += run
         self._last_stamp = t
         self.num_free_blocks += len(blocks)
-        sink = self.sink
-        if sink is not None:
-            self._emit_freed(sink, blocks)
 
     def _went_live(self, c: int) -> None:
         """List ``c`` was empty and gets a head: the cached selection is stale."""
@@ -240,16 +237,6 @@ class WorkloadAwareFreeQueue:
         if not self._is_live[c]:
             self._is_live[c] = 1
             self._live.append(c)
-
-    def _emit_freed(self, sink: EventSink, blocks: list[KVCacheBlock]) -> None:
-        sampled = self.sampled
-        all_ = sink.samples_all
-        cls_of, stamp_of = self.block_class, self.stamp
-        for b in blocks:
-            h = b._block_hash
-            if h is not None and (all_ or sampled[b.block_id]):
-                bid = b.block_id
-                sink.emit(BlockEvent(EventKind.FREED, stamp_of[bid], cls_of[bid], 0.0, h))
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks at the very front: they are evicted before anything else."""

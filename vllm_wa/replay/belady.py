@@ -4,7 +4,7 @@ The replay knows the future: for every (request, prompt position) it
 precomputes the index of the next request whose prompt holds the same block.
 Each time a request uses a block the oracle writes that next use into the
 queue's per-block array; on eviction the free block with the largest next use
-goes (ties: the deeper block first).  A prefix cache cannot use a block
+goes (ties: in the order freed, which puts a prompt's deeper blocks first).  A prefix cache cannot use a block
 whose parent is gone: a request that misses the parent recomputes it and
 everything after it, so a free block whose parent was evicted ("orphan") is
 dead weight and is evicted before any block with a future.
@@ -13,6 +13,7 @@ dead weight and is evicted before any block with a future.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -60,7 +61,12 @@ def next_use_table(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BeladyFreeQueue:
-    """Drop-in free queue that evicts by furthest next use (see module doc)."""
+    """Drop-in free queue that evicts by furthest next use (see module doc).
+
+    Free blocks wait in one FIFO bucket per next-use value (request indices,
+    so few distinct values); a heap holds the bucket keys.  Re-ranked or
+    removed blocks leave stale entries behind, skipped by version.
+    """
 
     def __init__(self, blocks: list[KVCacheBlock], num_block_ids: int | None = None) -> None:
         n = num_block_ids if num_block_ids is not None else max((b.block_id for b in blocks), default=-1) + 1
@@ -68,7 +74,9 @@ class BeladyFreeQueue:
         self.depth = [0] * n
         self._version = [0] * n
         self._is_free = bytearray(n)
-        self._heap: list[tuple[int, int, int, int]] = []
+        self._buckets: dict[int, deque[tuple[int, int]]] = {}
+        self._keys: list[int] = []  # max-heap (negated) of bucket keys
+        self._entries = 0
         self._fresh: list[KVCacheBlock] = []  # blocks without a hash, evicted first
         self._orphans: list[KVCacheBlock] = []  # free blocks whose parent was evicted
         self._blocks: dict[int, KVCacheBlock] = {}
@@ -83,14 +91,21 @@ class BeladyFreeQueue:
 
     def _push(self, b: KVCacheBlock) -> None:
         bid = b.block_id
-        self._version[bid] += 1
+        ver = self._version[bid] + 1
+        self._version[bid] = ver
         self._is_free[bid] = 1
         self._blocks[bid] = b
         link = self.parent[bid]
         if link is not None and link[0]._block_hash != link[1]:
             self._orphans.append(b)
             return
-        heapq.heappush(self._heap, (-self.next_use[bid], -self.depth[bid], bid, self._version[bid]))
+        key = self.next_use[bid]
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = deque()
+            heapq.heappush(self._keys, -key)
+        bucket.append((bid, ver))
+        self._entries += 1
 
     def rekey(self, b: KVCacheBlock) -> None:
         """The oracle changed ``b``'s next use: re-rank it if it is free."""
@@ -106,19 +121,36 @@ class BeladyFreeQueue:
         for cid in kids:
             link = parent[cid]
             if link is not None and link[0] is b and is_free[cid]:
-                version[cid] += 1  # drop its heap entry
+                version[cid] += 1  # drop its bucket entry
                 self._orphans.append(self._blocks[cid])
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        version, is_free, parent, next_use = self._version, self._is_free, self.parent, self.next_use
+        buckets, blocks_by_id = self._buckets, self._blocks
         for b in blocks:
+            bid = b.block_id
             if b._block_hash is None:
                 self._fresh.append(b)
-                self._is_free[b.block_id] = 1
-            else:
-                self._push(b)
+                is_free[bid] = 1
+                continue
+            ver = version[bid] + 1
+            version[bid] = ver
+            is_free[bid] = 1
+            blocks_by_id[bid] = b
+            link = parent[bid]
+            if link is not None and link[0]._block_hash != link[1]:
+                self._orphans.append(b)
+                continue
+            key = next_use[bid]
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = deque()
+                heapq.heappush(self._keys, -key)
+            bucket.append((bid, ver))
+        self._entries += len(blocks)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -133,7 +165,7 @@ class BeladyFreeQueue:
         if not self._is_free[bid]:
             raise RuntimeError(f"remove() called on a block that is not free: {bid}")
         self._is_free[bid] = 0
-        self._version[bid] += 1  # its heap entry is now stale
+        self._version[bid] += 1  # its bucket entry is now stale
         if block._block_hash is None:
             self._fresh.remove(block)
         self.num_free_blocks -= 1
@@ -147,8 +179,8 @@ class BeladyFreeQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         assert n <= self.num_free_blocks
         out: list[KVCacheBlock] = []
-        fresh, heap, version, is_free = self._fresh, self._heap, self._version, self._is_free
-        orphans = self._orphans
+        fresh, version, is_free = self._fresh, self._version, self._is_free
+        orphans, buckets, keys, blocks = self._orphans, self._buckets, self._keys, self._blocks
         while len(out) < n and fresh:
             b = fresh.pop()
             is_free[b.block_id] = 0
@@ -159,29 +191,44 @@ class BeladyFreeQueue:
                 if not is_free[b.block_id]:
                     continue
             else:
-                _, _, bid, ver = heapq.heappop(heap)
+                key = -keys[0]
+                bucket = buckets[key]
+                if not bucket:
+                    del buckets[key]
+                    heapq.heappop(keys)
+                    continue
+                bid, ver = bucket.popleft()
+                self._entries -= 1
                 if ver != version[bid] or not is_free[bid]:
                     continue
-                b = self._blocks[bid]
+                b = blocks[bid]
             is_free[b.block_id] = 0
             out.append(b)
             self._orphan_children(b)
         self.num_free_blocks -= n
-        if len(heap) > 4 * (self.num_free_blocks + 64):
+        if self._entries > 4 * (self.num_free_blocks + 1024):
             self._compact()
         return out
 
     def _compact(self) -> None:
         version, is_free = self._version, self._is_free
-        self._heap = [e for e in self._heap if e[3] == version[e[2]] and is_free[e[2]]]
-        heapq.heapify(self._heap)
+        for key, bucket in list(self._buckets.items()):
+            live = deque(e for e in bucket if e[1] == version[e[0]] and is_free[e[0]])
+            if live:
+                self._buckets[key] = live
+            else:
+                del self._buckets[key]
+        self._keys = [-k for k in self._buckets]
+        heapq.heapify(self._keys)
+        self._entries = sum(len(b) for b in self._buckets.values())
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         yield from reversed(self._fresh)
         yield from (b for b in reversed(self._orphans) if self._is_free[b.block_id])
-        live = sorted(e for e in self._heap if e[3] == self._version[e[2]] and self._is_free[e[2]])
-        for e in live:
-            yield self._blocks[e[2]]
+        for key in sorted(self._buckets, reverse=True):
+            for bid, ver in self._buckets[key]:
+                if ver == self._version[bid] and self._is_free[bid]:
+                    yield self._blocks[bid]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         return list(self.iter_eviction_order())
@@ -216,12 +263,19 @@ class BeladyOracle:
         start = int(self.offsets[index])
         return self.next_req[start : start + n].tolist()
 
-    def on_arrival(self, index: int, hashes: Sequence[int]) -> None:
-        """Request ``index`` arrived with prompt ``hashes`` (before it is served)."""
+    def on_arrival(self, index: int, hashes: Sequence[int], start: int = 0, stop: int | None = None) -> None:
+        """Request ``index`` uses ``hashes[start:stop]`` without hitting them.
+
+        Called before the request is served for the part of its prompt past
+        its prefix hit (the hit blocks are updated by :meth:`on_admitted`),
+        and for the hit part too if the request did not fit.
+        """
         blocks_of = self.blocks_of
         nxt = None
         q = self.queue
-        for j, h in enumerate(hashes):
+        stop = len(hashes) if stop is None else stop
+        for j in range(start, stop):
+            h = hashes[j]
             bs = blocks_of.get(h)
             if not bs:
                 continue
@@ -232,14 +286,23 @@ class BeladyOracle:
                 q.depth[bid] = j
                 q.rekey(self._block[bid])
 
-    def on_admitted(self, index: int, blocks: Sequence[KVCacheBlock], hashes: Sequence[int]) -> None:
-        """Request ``index`` holds ``blocks`` (prompt order): record their next uses."""
+    def on_admitted(
+        self, index: int, blocks: Sequence[KVCacheBlock], hashes: Sequence[int], n_hit: int = 0
+    ) -> None:
+        """Request ``index`` holds ``blocks`` (prompt order), the first ``n_hit`` hits.
+
+        Hit blocks only get their new next use; new blocks are also indexed
+        by trace hash and linked to their prefix parent.
+        """
         nxt = self._next_uses(index, len(blocks))
         q = self.queue
         next_use, depth, parent, children = q.next_use, q.depth, q.parent, q.children
-        trace_hash, blocks_of = self.trace_hash, self.blocks_of
-        prev = None
-        for j, b in enumerate(blocks):
+        for j in range(n_hit):
+            next_use[blocks[j].block_id] = nxt[j]
+        trace_hash, blocks_of, block_of = self.trace_hash, self.blocks_of, self._block
+        prev = blocks[n_hit - 1] if n_hit > 0 else None
+        for j in range(n_hit, len(blocks)):
+            b = blocks[j]
             bid = b.block_id
             h = hashes[j]
             old = trace_hash[bid]
@@ -251,13 +314,21 @@ class BeladyOracle:
                         if not stale:
                             del blocks_of[old]
                 trace_hash[bid] = h
-                blocks_of.setdefault(h, set()).add(bid)
-                self._block[bid] = b
+                s = blocks_of.get(h)
+                if s is None:
+                    blocks_of[h] = {bid}
+                else:
+                    s.add(bid)
+                block_of[bid] = b
             next_use[bid] = nxt[j]
             depth[bid] = j
             if prev is None:
                 parent[bid] = None
             else:
                 parent[bid] = (prev, prev._block_hash)
-                children.setdefault(prev.block_id, set()).add(bid)
+                kids = children.get(prev.block_id)
+                if kids is None:
+                    children[prev.block_id] = {bid}
+                else:
+                    kids.add(bid)
             prev = b

@@ -35,10 +35,11 @@ class FastEngine:
         """Serve a request's prompt; returns its hit blocks, or -1 if it did not fit."""
         pool, policy = self.pool, self.policy
         hashes = req.hash_ids
-        if policy.oracle is not None:
-            policy.oracle.on_arrival(index, hashes)
         hits = pool.lookup(hashes)
         n_hit = len(hits)
+        oracle = policy.oracle
+        if oracle is not None:
+            oracle.on_arrival(index, hashes, n_hit)
         tagger = policy.tagger
         if tagger is not None:
             tags = tagger.request_tags(req.request_id, req.tag)
@@ -46,9 +47,11 @@ class FastEngine:
         if not pool.allocate(req.request_id, hashes, hits):
             if tagger is not None:
                 tagger.forget(req.request_id)
+            if oracle is not None:
+                oracle.on_arrival(index, hashes, 0, n_hit)
             return -1
-        if policy.oracle is not None:
-            policy.oracle.on_admitted(index, pool.held[req.request_id], hashes)
+        if oracle is not None:
+            oracle.on_admitted(index, pool.held[req.request_id], hashes, n_hit)
         return n_hit
 
     def release(self, req: TraceRequest) -> None:
@@ -126,19 +129,23 @@ class VLLMEngine:
 
     def admit(self, index: int, req: TraceRequest) -> int:
         m = self.manager
-        if self.policy.oracle is not None:
-            self.policy.oracle.on_arrival(index, req.hash_ids)
+        oracle = self.policy.oracle
         vreq = self._request(req)
         blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
+        n_hit = n_hit_tokens // self.k
+        if oracle is not None:
+            oracle.on_arrival(index, req.hash_ids, n_hit)
         new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
         if new is None:
             m.free(vreq)  # nothing is held; lets the hooks forget the lookup
+            if oracle is not None:
+                oracle.on_arrival(index, req.hash_ids, 0, n_hit)
             return -1
         vreq.num_computed_tokens = vreq.num_tokens
         self._live[req.request_id] = vreq
         if self.policy.oracle is not None:
-            self.policy.oracle.on_admitted(index, m.coordinator.get_blocks(req.request_id)[0], req.hash_ids)
-        return n_hit_tokens // self.k
+            oracle.on_admitted(index, m.coordinator.get_blocks(req.request_id)[0], req.hash_ids, n_hit)
+        return n_hit
 
     def release(self, req: TraceRequest) -> None:
         from vllm.v1.request import RequestStatus

@@ -1,0 +1,197 @@
+"""The controller's configuration, read from TOML and validated at start-up.
+
+Every knob is documented in ``configs/controller.toml``; an unknown key or a
+bad value is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from vllm_wa.controller.features import FEATURES
+
+FAMILIES = ("exponential", "hyperexponential")
+MODES = ("pr", "posterior")
+
+
+class ConfigError(ValueError):
+    """A bad controller configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """One configuration the tuner may run: class features, model family, score."""
+
+    features: tuple[str, ...] = ("tag", "outcome")
+    family: str = "hyperexponential"
+    mode: str = "posterior"
+    horizon: float = 10.0
+    lru: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.lru:
+            return "lru"
+        feats = "+".join(self.features) or "none"
+        fam = "exp" if self.family == "exponential" else "hyper"
+        return f"{feats}/{fam}/{self.mode}/L{self.horizon:g}"
+
+
+LRU_CANDIDATE = CandidateSpec(lru=True)
+
+
+def _default_candidates() -> tuple[CandidateSpec, ...]:
+    return (
+        CandidateSpec(("tag", "outcome"), "hyperexponential", "posterior", 10.0),
+        CandidateSpec(("tag", "outcome"), "hyperexponential", "posterior", 120.0),
+        CandidateSpec(("tag", "outcome"), "exponential", "pr", 5.0),
+        CandidateSpec(("outcome",), "hyperexponential", "posterior", 10.0),
+        CandidateSpec(("tag",), "hyperexponential", "posterior", 10.0),
+        CandidateSpec(("tag", "outcome", "reuse"), "hyperexponential", "posterior", 10.0),
+    )
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """See ``configs/controller.toml`` for what each knob does."""
+
+    refit_interval_s: float = 5.0
+    memory_s: float = 1800.0
+    min_samples: float = 30.0
+    sample_rate: float | None = None
+    shadow_blocks: int = 4096
+    ghost_factor: float = 4.0
+    max_watch_s: float = 7200.0
+    drift_delta: float = 0.002
+    drift_forget: float = 0.25
+    event_capacity: int = 1 << 17
+    max_classes: int = 32
+    checkpoint_path: str = ""
+    checkpoint_interval_s: float = 60.0
+    seed_params: str = ""
+    tuner_enabled: bool = True
+    tuner_window_s: float = 900.0
+    tuner_margin: float = 0.003
+    tuner_hold_s: float = 120.0
+    tuner_min_lookups: int = 200
+    initial: str = "tag+outcome/hyper/posterior/L10"
+    candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
+
+    def __post_init__(self) -> None:
+        positive = (
+            "refit_interval_s", "memory_s", "shadow_blocks", "ghost_factor", "max_watch_s",
+            "drift_delta", "event_capacity", "checkpoint_interval_s", "tuner_window_s", "max_classes",
+        )
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
+        for name in ("min_samples", "tuner_margin", "tuner_hold_s", "tuner_min_lookups"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
+        if not 0.0 < self.drift_forget <= 1.0:
+            raise ConfigError(f"drift_forget must be in (0, 1], got {self.drift_forget!r}")
+        if self.sample_rate is not None and not 0.0 < self.sample_rate <= 1.0:
+            raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
+        if self.max_classes < 3:
+            raise ConfigError("max_classes must be at least 3")
+        for i, c in enumerate(self.candidates):
+            where = f"candidates[{i}]"
+            if not isinstance(c, CandidateSpec):
+                raise ConfigError(f"{where} must be a candidate table")
+            bad = [f for f in c.features if f not in FEATURES]
+            if bad:
+                raise ConfigError(f"{where}.features has unknown features {bad}; expected some of {FEATURES}")
+            if c.family not in FAMILIES:
+                raise ConfigError(f"{where}.family must be one of {FAMILIES}, got {c.family!r}")
+            if c.mode not in MODES:
+                raise ConfigError(f"{where}.mode must be one of {MODES}, got {c.mode!r}")
+            if not (isinstance(c.horizon, (int, float)) and math.isfinite(c.horizon) and c.horizon > 0):
+                raise ConfigError(f"{where}.horizon must be a positive number of seconds, got {c.horizon!r}")
+        names = [c.name for c in self.all_candidates]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"candidates must differ; got duplicates in {names}")
+        if self.initial not in names:
+            raise ConfigError(f"initial must name a candidate ({names}), got {self.initial!r}")
+
+    @property
+    def all_candidates(self) -> tuple[CandidateSpec, ...]:
+        """The configured candidates, with LRU always among them."""
+        if any(c.lru for c in self.candidates):
+            return self.candidates
+        return (LRU_CANDIDATE, *self.candidates)
+
+    # ---- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ControllerConfig:
+        if not isinstance(data, dict):
+            raise ConfigError("the controller config must be a table")
+        flat: dict[str, Any] = {}
+        known = {f.name for f in fields(cls)}
+        for section, prefix in (("controller", ""), ("tuner", "tuner_")):
+            table = data.get(section, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"[{section}] must be a table")
+            for k, v in table.items():
+                key = prefix + k if section == "tuner" and k not in ("candidates", "initial") else k
+                if key not in known:
+                    raise ConfigError(f"unknown key {section}.{k}")
+                flat[key] = v
+        extra = set(data) - {"controller", "tuner"}
+        if extra:
+            raise ConfigError(f"unknown section(s) {sorted(extra)}; expected [controller] and [tuner]")
+        if "candidates" in flat:
+            raw = flat["candidates"]
+            if not isinstance(raw, list):
+                raise ConfigError("tuner.candidates must be an array of tables")
+            cands = []
+            allowed = {f.name for f in fields(CandidateSpec)}
+            for i, c in enumerate(raw):
+                if not isinstance(c, dict):
+                    raise ConfigError(f"tuner.candidates[{i}] must be a table")
+                unknown = set(c) - allowed
+                if unknown:
+                    raise ConfigError(f"unknown key tuner.candidates[{i}].{sorted(unknown)[0]}")
+                c = dict(c)
+                if "features" in c:
+                    if not isinstance(c["features"], list) or not all(isinstance(x, str) for x in c["features"]):
+                        raise ConfigError(f"tuner.candidates[{i}].features must be a list of strings")
+                    c["features"] = tuple(c["features"])
+                cands.append(CandidateSpec(**c))
+            flat["candidates"] = tuple(cands)
+        for k, v in flat.items():
+            default = next(f for f in fields(cls) if f.name == k).default
+            if k == "candidates" or default is None:
+                continue
+            if isinstance(default, bool) != isinstance(v, bool) or (
+                isinstance(default, str) and not isinstance(v, str)
+            ):
+                raise ConfigError(f"{k} has the wrong type: {v!r}")
+        try:
+            return cls(**flat)
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def load(cls, path: str) -> ControllerConfig:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read controller config {path}: {e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,412 @@
+"""The online controller: learn reuse models from engine events, tune, hot-swap.
+
+``WAController.refit()`` is the whole job.  It drains the event sink, turns
+events into censored reuse observations per finest class and feeds the
+candidates' miniature caches; then, for every candidate, it fits one model
+per class of that candidate's key, builds an immutable :class:`WAParams`,
+and hands it to the candidate's shadow cache.  The tuner picks the candidate
+the real cache runs (LRU is always a candidate) and the new parameters are
+swapped into the live queue.  The job never raises: an error is counted and
+logged, the last good parameters stay, and the next run starts afresh.
+
+The same object runs in the engine-core process (on an apscheduler thread)
+and in ``vllm-wa replay`` (called at trace time through the replay clock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_wa.controller.config import CandidateSpec, ControllerConfig
+from vllm_wa.controller.estimators import ReuseEstimator, fit_model
+from vllm_wa.controller.features import FINEST, FeatureKey
+from vllm_wa.controller.reuse_tracker import ReuseTracker
+from vllm_wa.controller.shadow import ShadowCache
+from vllm_wa.controller.survival import SurvivalData
+from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
+from vllm_wa.params import ParamsError, ReuseModel, WAParams
+
+logger = logging.getLogger(__name__)
+CHECKPOINT_VERSION = 1
+MAX_FINE_CLASSES = 1024
+
+
+@dataclass
+class Candidate:
+    spec: CandidateSpec
+    shadow: ShadowCache
+    key: FeatureKey | None
+    params: WAParams = field(default_factory=WAParams.lru)
+    lead_since: float | None = None
+
+
+def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
+    """Sample so the miniature caches hold about ``shadow_blocks`` blocks."""
+    return min(1.0, shadow_blocks / max(1, cache_blocks))
+
+
+class WAController:
+    """Learns per-class reuse models online and drives a live queue.
+
+    Args:
+        config: the controller's knobs.
+        cache_blocks: size of the real cache (the miniature caches scale it).
+        apply: called with ``(params, class_key)`` to swap them into the real
+            queue and tagger; ``class_key`` is None for LRU.
+        sink: the event sink the engine hooks write to.
+        clock: seconds; trace time in replays.
+        prior: parameters before anything is learned (LRU when None).
+    """
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        cache_blocks: int,
+        apply: Callable[[WAParams, FeatureKey | None], None],
+        sink: EventSink,
+        clock: Callable[[], float] = time.monotonic,
+        prior: WAParams | None = None,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.clock = clock
+        self.apply = apply
+        self.cache_blocks = cache_blocks
+        self.prior = prior if prior is not None else WAParams.lru(source="prior")
+        rate = sink.sample_rate
+        sampled_cache = max(2, int(round(cache_blocks * rate)))
+        self._fine_ids: dict[tuple, int] = {}
+        self._fine: list[tuple] = []
+        self.estimators: list[ReuseEstimator] = []
+        self.tracker = ReuseTracker(
+            ghost_capacity=int(config.ghost_factor * sampled_cache),
+            watch_capacity=2 * sampled_cache + 1024,
+            max_watch_s=config.max_watch_s,
+            on_reuse=self._on_reuse,
+            on_censored=self._on_censored,
+        )
+        self._shadow_threshold = int(min(1.0, sample_rate_for(cache_blocks, config.shadow_blocks) / rate) * (1 << 64))
+        self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
+        self.candidates: dict[str, Candidate] = {}
+        for spec in config.all_candidates:
+            shadow = ShadowCache(spec, self.shadow_blocks, config.tuner_window_s, config.max_classes)
+            key = None if spec.lru else FeatureKey(tuple(spec.features))
+            self.candidates[spec.name] = Candidate(spec, shadow, key)
+        self.active = config.initial
+        self.pinned: WAParams | None = None
+        self.params = self.prior
+        self.version = 0
+        self.refits = 0
+        self.swaps = 0
+        self.errors = 0
+        self.last_error = ""
+        self.last_refit: float | None = None
+        self.last_swap: float | None = None
+        self.refit_seconds = 0.0
+        self.events_processed = 0
+        self.drift_events: deque[dict[str, Any]] = deque(maxlen=50)
+        self.switches: deque[dict[str, Any]] = deque(maxlen=50)
+        self._last_forget: float | None = None
+        self._last_checkpoint = -math.inf
+
+    # ---- event intake ---------------------------------------------------------------------
+
+    def _fine_id(self, comps: tuple) -> int:
+        fid = self._fine_ids.get(comps)
+        if fid is None:
+            if len(self._fine) >= MAX_FINE_CLASSES:
+                comps = ("other", comps[1], comps[2], comps[3])
+                fid = self._fine_ids.get(comps)
+                if fid is not None:
+                    return fid
+            fid = len(self._fine)
+            self._fine_ids[comps] = fid
+            self._fine.append(comps)
+            self.estimators.append(
+                ReuseEstimator(self.config.memory_s, self.config.drift_delta, self.config.drift_forget)
+            )
+        return fid
+
+    def _on_reuse(self, fid: int, gap: float) -> None:
+        if self.estimators[fid].update(gap=gap):
+            self.drift_events.append({"time": self.clock(), "class": FINEST.name_of(self._fine[fid])})
+
+    def _on_censored(self, fid: int, exposure: float) -> None:
+        self.estimators[fid].update(exposure=exposure)
+
+    def _shadow_hashes(self, hashes: Any) -> list:
+        thr = self._shadow_threshold
+        if thr >= 1 << 64:
+            return [h for _, h in hashes]
+        return [h for _, h in hashes if hash_sample_value(h) < thr]
+
+    def process(self, events: list[Any]) -> None:
+        """Apply drained engine events in order."""
+        tracker = self.tracker
+        shadows = [c.shadow for c in self.candidates.values()]
+        for ev in events:
+            kind = ev.kind
+            if kind == EventKind.FREED:
+                comps = FINEST.components(ev.tag, ev.outcome, ev.position, ev.reuse_count)
+                tracker.freed(ev.block_hash, self._fine_id(comps), ev.time)
+            elif kind == EventKind.EVICTED:
+                tracker.evicted(ev.block_hash, ev.time)
+            elif kind == EventKind.LOOKUP:
+                tracker.looked_up(ev.hashes, ev.time)
+                hs = self._shadow_hashes(ev.hashes)
+                if hs:
+                    for s in shadows:
+                        s.lookup(ev.request_id, ev.tag, hs, ev.time)
+            elif kind == EventKind.FINISHED:
+                for s in shadows:
+                    s.finish(ev.request_id, ev.outcome, ev.time)
+        self.events_processed += len(events)
+
+    # ---- the job ----------------------------------------------------------------------------
+
+    def refit(self) -> None:
+        """Drain, learn, tune, swap. Never raises."""
+        t0 = time.perf_counter()
+        try:
+            self._refit(self.clock())
+        except Exception as e:  # noqa: BLE001 - the job must keep running
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            logger.exception("vllm-wa controller refit failed; keeping the last good parameters")
+        finally:
+            self.refit_seconds = time.perf_counter() - t0
+
+    def _refit(self, now: float) -> None:
+        self.process(self.sink.drain())
+        if self._last_forget is not None:
+            for est in self.estimators:
+                est.forget(now - self._last_forget)
+        self._last_forget = now
+        self.tracker.expire(now)
+        at_risk: dict[int, SurvivalData] = {}
+        for fid, exposure in self.tracker.at_risk(now):
+            d = at_risk.get(fid)
+            if d is None:
+                d = at_risk[fid] = SurvivalData()
+            d.add_censored(exposure)
+        for cand in self.candidates.values():
+            if cand.spec.lru:
+                continue
+            cand.params = self._fit_candidate(cand, at_risk)
+            cand.shadow.set_params(cand.params)
+        self._tune(now)
+        self.refits += 1
+        self.last_refit = now
+        self._swap(now)
+        if self.config.checkpoint_path and now - self._last_checkpoint >= self.config.checkpoint_interval_s:
+            self._last_checkpoint = now
+            self.save_checkpoint(self.config.checkpoint_path)
+
+    def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
+        spec, key = cand.spec, cand.key
+        assert key is not None
+        pooled: dict[str, SurvivalData] = {}
+        total = SurvivalData()
+        for fid, comps in enumerate(self._fine):
+            name = key.name_of(comps)
+            d = pooled.get(name)
+            if d is None:
+                d = pooled[name] = SurvivalData()
+            d += self.estimators[fid].data
+            if fid in at_risk:
+                d += at_risk[fid]
+        models: dict[str, ReuseModel] = {}
+        for name, d in pooled.items():
+            total += d
+            if d.n_events < self.config.min_samples:
+                continue
+            m = fit_model(d, spec.family)
+            if m is not None:
+                models[name] = m
+        default = fit_model(total, spec.family) if total.n_events >= self.config.min_samples else None
+        if not models:
+            return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, source="prior")
+        return WAParams(
+            models=models,
+            default=default or self.prior.default,
+            horizon=spec.horizon,
+            mode=spec.mode,
+            source=f"online:{spec.name}",
+        )
+
+    def _tune(self, now: float) -> None:
+        cfg = self.config
+        if not cfg.tuner_enabled:
+            return
+        cur = self.candidates[self.active]
+        cur_rate = cur.shadow.window.rate
+        best = None
+        for cand in self.candidates.values():
+            h, n = cand.shadow.window.totals()
+            if n < cfg.tuner_min_lookups:
+                cand.lead_since = None
+                continue
+            if cand is cur or cand.shadow.window.rate <= cur_rate + cfg.tuner_margin:
+                cand.lead_since = None
+                continue
+            if cand.lead_since is None:
+                cand.lead_since = now
+            if now - cand.lead_since >= cfg.tuner_hold_s and (
+                best is None or cand.shadow.window.rate > best.shadow.window.rate
+            ):
+                best = cand
+        if best is not None:
+            self.switches.append(
+                {"time": now, "from": self.active, "to": best.spec.name,
+                 "from_rate": cur_rate, "to_rate": best.shadow.window.rate}
+            )
+            self.active = best.spec.name
+            best.lead_since = None
+
+    def _swap(self, now: float) -> None:
+        cand = self.candidates[self.active]
+        if self.pinned is not None:
+            params, key = self.pinned, self._pinned_key
+        elif cand.spec.lru:
+            params, key = WAParams.lru(source="online:lru"), None
+        else:
+            params, key = cand.params, cand.key
+        self.version += 1
+        params = params.evolve(version=self.version)
+        self.apply(params, key)
+        self.params = params
+        self.swaps += 1
+        self.last_swap = now
+
+    # ---- operator control ---------------------------------------------------------------------
+
+    _pinned_key: FeatureKey | None = None
+
+    def pin(self, params: WAParams, features: tuple[str, ...] | None = None) -> None:
+        """Run fixed parameters (learning continues); validated by the caller."""
+        self._pinned_key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
+        self.pinned = params.evolve(source="pinned")
+        self._swap(self.clock())
+
+    def unpin(self) -> None:
+        self.pinned = None
+        self._pinned_key = None
+        self._swap(self.clock())
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def class_estimates(self) -> dict[str, dict[str, Any]]:
+        """Per-class estimates under the active candidate's key, with sample counts."""
+        cand = self.candidates[self.active]
+        key = cand.key or FeatureKey(("tag",))
+        out: dict[str, dict[str, Any]] = {}
+        pooled: dict[str, SurvivalData] = {}
+        for fid, comps in enumerate(self._fine):
+            name = key.name_of(comps)
+            pooled.setdefault(name, SurvivalData())
+            pooled[name] += self.estimators[fid].data
+        for name, d in sorted(pooled.items()):
+            m = self.params.models.get(name) if self.params else None
+            out[name] = {
+                "reuse_probability": m.p if m is not None else None,
+                "reuse_rate": m.a if m is not None else None,
+                "reuses": round(d.n_events, 2),
+                "observations": round(d.n, 2),
+                "fitted": m is not None,
+            }
+        return out
+
+    def state(self) -> dict[str, Any]:
+        def rnd(x: float | None) -> float | None:
+            return None if x is None else round(x, 6)
+
+        return {
+            "mode": "pinned" if self.pinned is not None else "auto",
+            "active_candidate": self.active,
+            "params": self.params.to_pr_json(),
+            "params_version": self.version,
+            "params_source": self.params.source,
+            "classes": self.class_estimates(),
+            "candidates": [
+                {
+                    "name": c.spec.name,
+                    "active": c.spec.name == self.active,
+                    "sampled_hit_rate": rnd(c.shadow.window.rate),
+                    "sampled_lookups": c.shadow.window.totals()[1],
+                    "shadow_blocks": self.shadow_blocks,
+                }
+                for c in self.candidates.values()
+            ],
+            "drift_events": list(self.drift_events),
+            "switches": list(self.switches),
+            "last_refit": rnd(self.last_refit),
+            "last_swap": rnd(self.last_swap),
+            "refits": self.refits,
+            "swaps": self.swaps,
+            "errors": self.errors,
+            "last_error": self.last_error,
+            "refit_seconds": rnd(self.refit_seconds),
+            "events_processed": self.events_processed,
+            "events_dropped": self.sink.dropped,
+            "watched_blocks": len(self.tracker.watch),
+            "ghost_blocks": len(self.tracker.ghost),
+            "sample_rate": self.sink.sample_rate,
+        }
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        """Atomic write: a crash leaves the old checkpoint or the new one, never half."""
+        data = {
+            "version": CHECKPOINT_VERSION,
+            "active": self.active,
+            "params": self.params.to_pr_json(),
+            "classes": [
+                {"components": list(comps), "data": self.estimators[fid].data.state()}
+                for fid, comps in enumerate(self._fine)
+            ],
+        }
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("vllm-wa: cannot write checkpoint %s: %s", path, e)
+
+    def load_checkpoint(self, path: str) -> bool:
+        """Warm-start from a checkpoint; on any problem, warn and keep the prior."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION:
+                raise ValueError(f"unsupported checkpoint version {data.get('version') if isinstance(data, dict) else None!r}")
+            classes = data["classes"]
+            restored: list[tuple[tuple, SurvivalData]] = []
+            for c in classes:
+                comps = tuple(c["components"])
+                if len(comps) != 4:
+                    raise ValueError("bad class components")
+                restored.append((comps, SurvivalData.from_state(c["data"])))
+            params = WAParams.from_pr_json(data["params"])
+            active = data.get("active")
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, KeyError, TypeError, ParamsError) as e:
+            logger.warning("vllm-wa: ignoring checkpoint %s (%s); starting from the prior", path, e)
+            return False
+        for comps, d in restored:
+            fid = self._fine_id(comps)
+            self.estimators[fid].data = d
+        if active in self.candidates:
+            self.active = active
+        self.params = params
+        return True

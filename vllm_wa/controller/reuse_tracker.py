@@ -1,0 +1,95 @@
+"""Turns the engine's sampled block events into censored reuse observations.
+
+A sampled block is watched from the moment it is freed.  The next prompt
+lookup that contains its hash is a reuse after the elapsed gap, whether or not
+the block was still cached: an evicted block moves to the bounded *ghost
+table*, so the true gap is still seen after an eviction.  A block that falls
+out of the ghost table (or is watched longer than ``max_watch_s``) becomes a
+censored observation at its exposure; blocks still watched count as censored
+at their current exposure when a fit is made.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Entry = tuple[int, float]  # (finest-class id, free time)
+
+
+class ReuseTracker:
+    """Watch table of free sampled blocks plus the ghost table of evicted ones."""
+
+    def __init__(
+        self,
+        ghost_capacity: int,
+        watch_capacity: int,
+        max_watch_s: float,
+        on_reuse: Callable[[int, float], None],
+        on_censored: Callable[[int, float], None],
+    ) -> None:
+        self.ghost_capacity = max(1, int(ghost_capacity))
+        self.watch_capacity = max(1, int(watch_capacity))
+        self.max_watch_s = max_watch_s
+        self._on_reuse = on_reuse
+        self._on_censored = on_censored
+        self.watch: OrderedDict[Any, Entry] = OrderedDict()
+        self.ghost: OrderedDict[Any, Entry] = OrderedDict()
+        self.reuses = 0
+        self.ghost_reuses = 0
+        self.censored = 0
+
+    def freed(self, block_hash: Any, key: int, t: float) -> None:
+        self.ghost.pop(block_hash, None)
+        self.watch[block_hash] = (key, t)
+        self.watch.move_to_end(block_hash)
+        if len(self.watch) > self.watch_capacity:
+            h, (k, t0) = self.watch.popitem(last=False)
+            self._censor(k, t - t0)
+
+    def evicted(self, block_hash: Any, t: float) -> None:
+        entry = self.watch.pop(block_hash, None)
+        if entry is None:
+            return
+        self.ghost[block_hash] = entry
+        if len(self.ghost) > self.ghost_capacity:
+            _, (k, t0) = self.ghost.popitem(last=False)
+            self._censor(k, t - t0)
+
+    def looked_up(self, hashes: Any, t: float) -> None:
+        """A prompt with these (position, hash) pairs arrived at ``t``."""
+        watch, ghost = self.watch, self.ghost
+        for _, h in hashes:
+            entry = watch.pop(h, None)
+            if entry is None:
+                entry = ghost.pop(h, None)
+                if entry is None:
+                    continue
+                self.ghost_reuses += 1
+            self.reuses += 1
+            self._on_reuse(entry[0], t - entry[1])
+
+    def expire(self, now: float) -> None:
+        """Censor blocks watched longer than ``max_watch_s``."""
+        limit = now - self.max_watch_s
+        for table in (self.watch, self.ghost):
+            while table:
+                h, (k, t0) = next(iter(table.items()))
+                if t0 > limit:
+                    break
+                del table[h]
+                self._censor(k, now - t0)
+
+    def at_risk(self, now: float) -> Iterator[tuple[int, float]]:
+        """(class, exposure) of every block still watched (not yet reused)."""
+        for table in (self.watch, self.ghost):
+            for k, t0 in table.values():
+                yield k, now - t0
+
+    def _censor(self, key: int, exposure: float) -> None:
+        self.censored += 1
+        self._on_censored(key, exposure)
+
+    def __len__(self) -> int:
+        return len(self.watch) + len(self.ghost)

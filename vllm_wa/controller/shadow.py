@@ -1,0 +1,127 @@
+"""Miniature caches that measure candidate configurations on live traffic.
+
+Each candidate runs in its own small pool fed with a hash-sampled slice of
+every prompt (spatial sampling: the same fraction of block hashes, in a pool
+scaled by the same fraction), using the very same queue and tagger classes as
+the engine.  Their hit rates over a sliding window tell the tuner which
+configuration to run in the real cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+from vllm_wa.controller.config import CandidateSpec
+from vllm_wa.controller.features import FeatureKey
+from vllm_wa.engine_patch.block_tagger import BlockTagger, RequestTags
+from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+from vllm_wa.params import WAParams
+from vllm_wa.replay.sim_pool import SimBlockPool
+from vllm_wa.workload_classes import ClassRegistry
+
+
+class _Clock:
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class HitWindow:
+    """Hits and lookups in time buckets over a sliding window."""
+
+    window_s: float
+    bucket_s: float = 30.0
+    _buckets: deque = field(default_factory=deque)
+
+    def add(self, t: float, hits: int, lookups: int) -> None:
+        b = int(t // self.bucket_s)
+        if self._buckets and self._buckets[-1][0] == b:
+            self._buckets[-1][1] += hits
+            self._buckets[-1][2] += lookups
+        else:
+            self._buckets.append([b, hits, lookups])
+        oldest = int((t - self.window_s) // self.bucket_s)
+        while self._buckets and self._buckets[0][0] < oldest:
+            self._buckets.popleft()
+
+    def totals(self) -> tuple[int, int]:
+        return sum(x[1] for x in self._buckets), sum(x[2] for x in self._buckets)
+
+    @property
+    def rate(self) -> float:
+        h, n = self.totals()
+        return h / n if n else 0.0
+
+
+class ShadowCache:
+    """One candidate's miniature cache."""
+
+    def __init__(self, spec: CandidateSpec, num_blocks: int, window_s: float, max_classes: int) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.key = None if spec.lru else FeatureKey(tuple(spec.features))
+        self.clock = _Clock()
+        self.tagger: BlockTagger | None = None
+        self.queue: Any = None
+        self.registry = ClassRegistry(max_classes=max_classes)
+        self.pool = SimBlockPool(max(2, num_blocks), self._make_queue, prefix_hits=False)
+        self.window = HitWindow(window_s)
+        self.hits = 0
+        self.lookups = 0
+        self.overflow = 0
+        self._tags: dict[str, str] = {}
+
+    def _make_queue(self, blocks: list) -> Any:
+        if self.spec.lru:
+            self.queue = FreeKVCacheBlockQueue(blocks)
+        else:
+            self.queue = WorkloadAwareFreeQueue(blocks, None, clock=self.clock, registry=self.registry)
+            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key)
+        return self.queue
+
+    def set_params(self, params: WAParams) -> None:
+        if self.queue is not None and not self.spec.lru:
+            self.queue.set_params(params)
+
+    def lookup(self, request_id: str, tag: str, hashes: list[Any], t: float) -> None:
+        """A prompt (its sampled block hashes) arrives."""
+        self.clock.t = t
+        pool = self.pool
+        if request_id in pool.held:  # a repeated lookup of a waiting request
+            return
+        hits = pool.lookup(hashes)
+        n_hit = len(hits)
+        if self.tagger is not None:
+            self.tagger.on_lookup(RequestTags(request_id, tag), hits, hashes, t)
+        if not pool.allocate(request_id, hashes, hits):
+            self.overflow += 1
+            if self.tagger is not None:
+                self.tagger.forget(request_id)
+            n_hit = 0
+        else:
+            self._tags[request_id] = tag
+        self.hits += n_hit
+        self.lookups += len(hashes)
+        self.window.add(t, n_hit, len(hashes))
+
+    def finish(self, request_id: str, outcome: str | None, t: float) -> None:
+        self.clock.t = t
+        tag = self._tags.pop(request_id, None)
+        if tag is None:
+            return
+        if self.tagger is not None:
+            self.tagger.on_free(RequestTags(request_id, tag, outcome), self.pool.held[request_id], t)
+        self.pool.release(request_id)
+
+    def release_all(self) -> None:
+        for rid in list(self._tags):
+            self.finish(rid, None, self.clock.t)

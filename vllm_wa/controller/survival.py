@@ -1,0 +1,157 @@
+"""Censored reuse-gap data and the maximum-likelihood fits of the reuse models.
+
+A freed block either comes back after some gap (an *event*) or we stop
+watching it before it does (*censored* at its exposure time): in a finite
+cache most blocks are evicted before they would be reused, so fitting only
+the observed gaps (``1 / mean(gap)``) overstates the reuse rate.  Both kinds
+of observation are kept as exponentially forgotten counts in log-spaced gap
+bins, and the models are fitted by EM on the bins:
+
+* ``fit_exponential``: the PR's model, reused with probability ``p`` after an
+  ``Exp(a)`` delay, else never.
+* ``fit_hyperexponential``: weights of a mixture of exponentials on a fixed
+  grid of rates plus a "never" mass: a censoring-aware, nonparametric-ish
+  survival curve that follows heavy tails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_wa.params import ReuseModel
+
+# Gap bins: [0, 0.05 s), then log-spaced up to ~2.3 days, then overflow.
+GAP_EDGES = np.concatenate(([0.0], np.geomspace(0.05, 2.0e5, 97)))
+_MIDS = np.concatenate(([0.025], np.sqrt(GAP_EDGES[1:-1] * GAP_EDGES[2:]), [GAP_EDGES[-1] * 1.5]))
+NUM_BINS = len(_MIDS)
+# Time scales (seconds) of the hyperexponential's components.
+HYPER_SCALES = np.geomspace(1.0, 3.0e4, 11)
+
+
+def gap_bin(gap: float) -> int:
+    if gap < GAP_EDGES[1]:
+        return 0
+    return min(NUM_BINS - 1, int(np.searchsorted(GAP_EDGES, gap, side="right")) - 1)
+
+
+@dataclass
+class SurvivalData:
+    """Binned counts of reuse events and censored exposures of one class."""
+
+    events: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    censored: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+
+    def add_event(self, gap: float, weight: float = 1.0) -> None:
+        self.events[gap_bin(max(0.0, gap))] += weight
+
+    def add_censored(self, exposure: float, weight: float = 1.0) -> None:
+        self.censored[gap_bin(max(0.0, exposure))] += weight
+
+    def decay(self, factor: float) -> None:
+        self.events *= factor
+        self.censored *= factor
+
+    def __iadd__(self, other: SurvivalData) -> SurvivalData:
+        self.events += other.events
+        self.censored += other.censored
+        return self
+
+    def copy(self) -> SurvivalData:
+        return SurvivalData(self.events.copy(), self.censored.copy())
+
+    @property
+    def n_events(self) -> float:
+        return float(self.events.sum())
+
+    @property
+    def n(self) -> float:
+        return float(self.events.sum() + self.censored.sum())
+
+    def state(self) -> dict[str, list[float]]:
+        return {"events": self.events.tolist(), "censored": self.censored.tolist()}
+
+    @classmethod
+    def from_state(cls, d: dict[str, list[float]]) -> SurvivalData:
+        ev = np.asarray(d["events"], dtype=float)
+        ce = np.asarray(d["censored"], dtype=float)
+        if ev.shape != (NUM_BINS,) or ce.shape != (NUM_BINS,) or not (np.isfinite(ev).all() and np.isfinite(ce).all()):
+            raise ValueError("survival data has the wrong shape or non-finite counts")
+        if (ev < 0).any() or (ce < 0).any():
+            raise ValueError("survival data has negative counts")
+        return cls(ev, ce)
+
+
+def fit_exponential(data: SurvivalData, iters: int = 200, tol: float = 1e-9) -> tuple[float, float]:
+    """MLE of ``(p, a)`` under censoring, by EM; ``(0, 0)`` without events."""
+    ev, ce, x = data.events, data.censored, _MIDS
+    n_e = float(ev.sum())
+    n_c = float(ce.sum())
+    if n_e <= 0:
+        return 0.0, 0.0
+    g = float((ev * x).sum())
+    a = n_e / max(g, 1e-9)
+    p = n_e / (n_e + n_c)
+    for _ in range(iters):
+        surv = p * np.exp(-a * x)
+        q = surv / np.maximum(1.0 - p + surv, 1e-300)  # P(a reuser | censored at x)
+        reusers = n_e + float((ce * q).sum())
+        p_new = reusers / (n_e + n_c)
+        a_new = reusers / max(g + float((ce * q * (x + 1.0 / a)).sum()), 1e-9)
+        done = abs(p_new - p) < tol and abs(a_new - a) < tol * max(a, 1e-12)
+        p, a = p_new, a_new
+        if done:
+            break
+    return min(1.0, p), a
+
+
+def fit_hyperexponential(
+    data: SurvivalData, scales: np.ndarray = HYPER_SCALES, iters: int = 300, tol: float = 1e-7
+) -> ReuseModel | None:
+    """Weights of Exp(1/scale) components plus a never mass, by EM; None without events."""
+    ev, ce, x = data.events, data.censored, _MIDS
+    n = float(ev.sum() + ce.sum())
+    if ev.sum() <= 0 or n <= 0:
+        return None
+    rates = 1.0 / scales
+    k = len(rates)
+    e_lik = rates[None, :] * np.exp(-np.outer(x, rates))  # density of each component at each bin
+    c_lik = np.exp(-np.outer(x, rates))  # survival of each component
+    w = np.full(k + 1, 1.0 / (k + 1))  # last entry: never reused
+    for _ in range(iters):
+        num_e = e_lik * w[None, :k]
+        den_e = np.maximum(num_e.sum(axis=1, keepdims=True), 1e-300)
+        num_c = np.concatenate((c_lik * w[None, :k], np.full((len(x), 1), w[k])), axis=1)
+        den_c = np.maximum(num_c.sum(axis=1, keepdims=True), 1e-300)
+        acc = np.zeros(k + 1)
+        acc[:k] = (ev[:, None] * num_e / den_e).sum(axis=0)
+        acc += (ce[:, None] * num_c / den_c).sum(axis=0)
+        w_new = acc / n
+        if np.abs(w_new - w).max() < tol:
+            w = w_new
+            break
+        w = w_new
+    keep = w[:k] > 1e-6
+    if not keep.any():
+        return None
+    ws = w[:k][keep]
+    total = float(ws.sum())
+    if total > 1.0:
+        ws = ws / total
+    return ReuseModel(tuple(float(v) for v in ws), tuple(float(r) for r in rates[keep]))
+
+
+def naive_exponential(data: SurvivalData, freed: float) -> tuple[float, float]:
+    """What ignoring censoring gives: ``p = reuses / frees``, ``a = 1 / mean(observed gap)``."""
+    n_e = float(data.events.sum())
+    if n_e <= 0 or freed <= 0:
+        return 0.0, 0.0
+    return min(1.0, n_e / freed), n_e / max(float((data.events * _MIDS).sum()), 1e-9)
+
+
+def model_from_fit(p: float, a: float) -> ReuseModel | None:
+    if not (math.isfinite(p) and math.isfinite(a)) or a <= 0 or p <= 0:
+        return None
+    return ReuseModel.exponential(min(1.0, p), a)
