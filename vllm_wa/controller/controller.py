@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+
 import math
 import os
 import time
@@ -25,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from vllm_wa.controller.config import CandidateSpec, ControllerConfig
-from vllm_wa.controller.estimators import ReuseEstimator, fit_model
+from vllm_wa.controller.estimators import FitState, ReuseEstimator, fit_model
 from vllm_wa.controller.features import FINEST, FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ShadowCache
-from vllm_wa.controller.survival import SurvivalData
+from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
 
@@ -46,6 +49,7 @@ class Candidate:
     key: FeatureKey | None
     params: WAParams = field(default_factory=WAParams.lru)
     lead_since: float | None = None
+    fits: dict[str, FitState] = field(default_factory=dict)
 
 
 def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
@@ -116,6 +120,9 @@ class WAController:
         self.switches: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
+        # The state as of the last refit, published for other threads (the
+        # engine loop serves /wa/params from it while a refit may be running).
+        self.snapshot: dict[str, Any] | None = None
 
     # ---- event intake ---------------------------------------------------------------------
 
@@ -191,12 +198,7 @@ class WAController:
                 est.forget(now - self._last_forget)
         self._last_forget = now
         self.tracker.expire(now)
-        at_risk: dict[int, SurvivalData] = {}
-        for fid, exposure in self.tracker.at_risk(now):
-            d = at_risk.get(fid)
-            if d is None:
-                d = at_risk[fid] = SurvivalData()
-            d.add_censored(exposure)
+        at_risk = self._at_risk(now)
         for cand in self.candidates.values():
             if cand.spec.lru:
                 continue
@@ -206,9 +208,22 @@ class WAController:
         self.refits += 1
         self.last_refit = now
         self._swap(now)
+        self.snapshot = self.state()
         if self.config.checkpoint_path and now - self._last_checkpoint >= self.config.checkpoint_interval_s:
             self._last_checkpoint = now
             self.save_checkpoint(self.config.checkpoint_path)
+
+    def _at_risk(self, now: float) -> dict[int, SurvivalData]:
+        """Blocks still watched, as censored observations at their current exposure."""
+        n = len(self.tracker)
+        if not n:
+            return {}
+        arr = np.fromiter((x for e in self.tracker.at_risk(now) for x in e), dtype=np.float64, count=2 * n)
+        fids = arr[0::2].astype(np.int64)
+        bins = bin_exposures(arr[1::2])
+        counts = np.zeros((len(self._fine), NUM_BINS))
+        np.add.at(counts, (fids, bins), 1.0)
+        return {int(f): SurvivalData(np.zeros(NUM_BINS), counts[f]) for f in np.flatnonzero(counts.sum(axis=1))}
 
     def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
         spec, key = cand.spec, cand.key
@@ -228,10 +243,14 @@ class WAController:
             total += d
             if d.n_events < self.config.min_samples:
                 continue
-            m = fit_model(d, spec.family)
+            m = fit_model(d, spec.family, cand.fits.setdefault(name, FitState()))
             if m is not None:
                 models[name] = m
-        default = fit_model(total, spec.family) if total.n_events >= self.config.min_samples else None
+        default = (
+            fit_model(total, spec.family, cand.fits.setdefault("\0default", FitState()))
+            if total.n_events >= self.config.min_samples
+            else None
+        )
         if not models:
             return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, source="prior")
         return WAParams(
@@ -323,6 +342,19 @@ class WAController:
                 "fitted": m is not None,
             }
         return out
+
+    def state_light(self) -> dict[str, Any]:
+        """What can be read safely before the first refit has published a snapshot."""
+        return {
+            "mode": "pinned" if self.pinned is not None else "auto",
+            "active_candidate": self.active,
+            "params": self.params.to_pr_json(),
+            "params_version": self.version,
+            "params_source": self.params.source,
+            "refits": self.refits,
+            "swaps": self.swaps,
+            "errors": self.errors,
+        }
 
     def state(self) -> dict[str, Any]:
         def rnd(x: float | None) -> float | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 from river import drift, stats
 
 from vllm_wa.controller.survival import SurvivalData, fit_exponential, fit_hyperexponential
@@ -71,13 +72,26 @@ class ReuseEstimator:
         return int(self._observed.get())
 
 
-def fit_model(data: SurvivalData, family: str) -> ReuseModel | None:
+@dataclass
+class FitState:
+    """Warm start for the next fit of one class (the data moves slowly between refits)."""
+
+    exponential: tuple[float, float] | None = None
+    hyper: np.ndarray | None = None
+
+
+def fit_model(data: SurvivalData, family: str, state: FitState | None = None) -> ReuseModel | None:
     """The class's reuse model under ``family``; None without any reuse seen."""
     if family == "exponential":
-        p, a = fit_exponential(data)
+        p, a = fit_exponential(data, init=state.exponential if state else None)
         if p <= 0 or a <= 0 or not (math.isfinite(p) and math.isfinite(a)):
             return None
+        if state is not None:
+            state.exponential = (p, a)
         return ReuseModel.exponential(min(1.0, p), a)
     if family == "hyperexponential":
-        return fit_hyperexponential(data)
+        model, w = fit_hyperexponential(data, init=state.hyper if state else None)
+        if state is not None and w is not None:
+            state.hyper = w
+        return model
     raise ValueError(f"unknown model family {family!r}")

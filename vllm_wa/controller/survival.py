@@ -17,6 +17,7 @@ bins, and the models are fitted by EM on the bins:
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,13 +29,25 @@ GAP_EDGES = np.concatenate(([0.0], np.geomspace(0.05, 2.0e5, 97)))
 _MIDS = np.concatenate(([0.025], np.sqrt(GAP_EDGES[1:-1] * GAP_EDGES[2:]), [GAP_EDGES[-1] * 1.5]))
 NUM_BINS = len(_MIDS)
 # Time scales (seconds) of the hyperexponential's components.
-HYPER_SCALES = np.geomspace(1.0, 3.0e4, 11)
+HYPER_SCALES = np.geomspace(1.0, 3.0e4, 10)
+
+
+_EDGE_LIST = GAP_EDGES.tolist()
+_HYPER_RATES = 1.0 / HYPER_SCALES
+_E_LIK = _HYPER_RATES[None, :] * np.exp(-np.outer(_MIDS, _HYPER_RATES))  # density per bin
+_C_LIK = np.exp(-np.outer(_MIDS, _HYPER_RATES))  # survival per bin
 
 
 def gap_bin(gap: float) -> int:
-    if gap < GAP_EDGES[1]:
+    if gap < _EDGE_LIST[1]:
         return 0
-    return min(NUM_BINS - 1, int(np.searchsorted(GAP_EDGES, gap, side="right")) - 1)
+    return min(NUM_BINS - 1, bisect_right(_EDGE_LIST, gap) - 1)
+
+
+def bin_exposures(exposures: np.ndarray) -> np.ndarray:
+    """Bin indices of many gaps or exposures at once."""
+    idx = np.searchsorted(GAP_EDGES, np.maximum(exposures, 0.0), side="right") - 1
+    return np.clip(idx, 0, NUM_BINS - 1)
 
 
 @dataclass
@@ -84,22 +97,34 @@ class SurvivalData:
         return cls(ev, ce)
 
 
-def fit_exponential(data: SurvivalData, iters: int = 200, tol: float = 1e-9) -> tuple[float, float]:
-    """MLE of ``(p, a)`` under censoring, by EM; ``(0, 0)`` without events."""
-    ev, ce, x = data.events, data.censored, _MIDS
+def fit_exponential(
+    data: SurvivalData, iters: int = 200, tol: float = 1e-7, init: tuple[float, float] | None = None
+) -> tuple[float, float]:
+    """MLE of ``(p, a)`` under censoring, by EM; ``(0, 0)`` without events.
+
+    ``init`` warm-starts EM from the previous fit (the controller refits every
+    few seconds on slowly changing data).
+    """
+    ev, ce = data.events, data.censored
     n_e = float(ev.sum())
     n_c = float(ce.sum())
     if n_e <= 0:
         return 0.0, 0.0
-    g = float((ev * x).sum())
-    a = n_e / max(g, 1e-9)
-    p = n_e / (n_e + n_c)
+    rows = np.flatnonzero(ce)
+    ce_r, x_c = ce[rows], _MIDS[rows]
+    g = float(ev @ _MIDS)
+    if init is not None and 0 < init[0] <= 1 and init[1] > 0:
+        p, a = init
+    else:
+        a = n_e / max(g, 1e-9)
+        p = n_e / (n_e + n_c)
     for _ in range(iters):
-        surv = p * np.exp(-a * x)
+        surv = p * np.exp(-a * x_c)
         q = surv / np.maximum(1.0 - p + surv, 1e-300)  # P(a reuser | censored at x)
-        reusers = n_e + float((ce * q).sum())
-        p_new = reusers / (n_e + n_c)
-        a_new = reusers / max(g + float((ce * q * (x + 1.0 / a)).sum()), 1e-9)
+        cq = ce_r * q
+        reusers = n_e + float(cq.sum())
+        p_new = min(1.0, reusers / (n_e + n_c))
+        a_new = reusers / max(g + float(cq @ (x_c + 1.0 / a)), 1e-9)
         done = abs(p_new - p) < tol and abs(a_new - a) < tol * max(a, 1e-12)
         p, a = p_new, a_new
         if done:
@@ -108,39 +133,48 @@ def fit_exponential(data: SurvivalData, iters: int = 200, tol: float = 1e-9) -> 
 
 
 def fit_hyperexponential(
-    data: SurvivalData, scales: np.ndarray = HYPER_SCALES, iters: int = 300, tol: float = 1e-7
-) -> ReuseModel | None:
-    """Weights of Exp(1/scale) components plus a never mass, by EM; None without events."""
-    ev, ce, x = data.events, data.censored, _MIDS
+    data: SurvivalData, iters: int = 400, tol: float = 1e-6, init: np.ndarray | None = None
+) -> tuple[ReuseModel | None, np.ndarray | None]:
+    """Weights of Exp(1/scale) components (:data:`HYPER_SCALES`) plus a never
+    mass, by EM on the occupied bins; the model is None without events.
+
+    Returns the model and the full weight vector (never mass last), which
+    warm-starts the next fit as ``init``.
+    """
+    ev, ce = data.events, data.censored
     n = float(ev.sum() + ce.sum())
     if ev.sum() <= 0 or n <= 0:
-        return None
-    rates = 1.0 / scales
-    k = len(rates)
-    e_lik = rates[None, :] * np.exp(-np.outer(x, rates))  # density of each component at each bin
-    c_lik = np.exp(-np.outer(x, rates))  # survival of each component
-    w = np.full(k + 1, 1.0 / (k + 1))  # last entry: never reused
+        return None, None
+    k = len(_HYPER_RATES)
+    re, rc = np.flatnonzero(ev), np.flatnonzero(ce)
+    E, C = _E_LIK[re], _C_LIK[rc]
+    ev_r, ce_r = ev[re], ce[rc]
+    if init is not None and init.shape == (k + 1,) and np.isfinite(init).all() and init.min() > 0:
+        w = init.copy()
+    else:
+        w = np.full(k + 1, 1.0 / (k + 1))
     for _ in range(iters):
-        num_e = e_lik * w[None, :k]
-        den_e = np.maximum(num_e.sum(axis=1, keepdims=True), 1e-300)
-        num_c = np.concatenate((c_lik * w[None, :k], np.full((len(x), 1), w[k])), axis=1)
-        den_c = np.maximum(num_c.sum(axis=1, keepdims=True), 1e-300)
-        acc = np.zeros(k + 1)
-        acc[:k] = (ev[:, None] * num_e / den_e).sum(axis=0)
-        acc += (ce[:, None] * num_c / den_c).sum(axis=0)
-        w_new = acc / n
+        we, wn = w[:k], w[k]
+        de = np.maximum(E @ we, 1e-300)
+        dc = np.maximum(C @ we + wn, 1e-300)
+        rc_ratio = ce_r / dc
+        w_new = np.empty(k + 1)
+        w_new[:k] = we * ((ev_r / de) @ E + rc_ratio @ C)
+        w_new[k] = wn * float(rc_ratio.sum())
+        w_new /= n
         if np.abs(w_new - w).max() < tol:
             w = w_new
             break
         w = w_new
     keep = w[:k] > 1e-6
     if not keep.any():
-        return None
+        return None, None
     ws = w[:k][keep]
     total = float(ws.sum())
     if total > 1.0:
         ws = ws / total
-    return ReuseModel(tuple(float(v) for v in ws), tuple(float(r) for r in rates[keep]))
+    model = ReuseModel(tuple(float(v) for v in ws), tuple(float(r) for r in _HYPER_RATES[keep]))
+    return model, np.maximum(w, 1e-12)
 
 
 def naive_exponential(data: SurvivalData, freed: float) -> tuple[float, float]:

@@ -96,7 +96,15 @@ class BlockTagger:
         self._owner = [0] * n
         self._serial = 0
         self._looked_up: dict[str, int] = {}
-        self._finished: OrderedDict[str, _FreedRequest] = OrderedDict()
+        # Freed requests by the key late facts arrive under (see request_key);
+        # several engine requests (n > 1) can share one key.
+        self._finished: OrderedDict[str, list[_FreedRequest]] = OrderedDict()
+        # Maps an engine request id to the id late facts are reported under
+        # (the API server knows its own, external id).
+        self.request_key: Callable[[str], str] = str
+        cap = queue.num_classes_cap
+        self.hit_blocks_by_class = [0] * cap
+        self.queried_blocks_by_class = [0] * cap
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
         self._remember = max(1, int(remember_finished))
         self.reclassified_requests = 0
@@ -138,6 +146,9 @@ class BlockTagger:
         if now is None:
             now = self.queue.clock()
         self._record_free_hits(hit_blocks, now)
+        cls = self.queue.registry.id_of(self.class_key(req, 0, 0))
+        self.hit_blocks_by_class[cls] += len(hit_blocks)
+        self.queried_blocks_by_class[cls] += len(block_hashes)
         sink = self.sink
         if sink is None:
             return
@@ -156,7 +167,7 @@ class BlockTagger:
                 now,
                 rid,
                 req.tag,
-                self.queue.registry.id_of(self.class_key(req, 0, 0)),
+                cls,
                 len(hit_blocks),
                 len(block_hashes),
                 hashes,
@@ -194,7 +205,8 @@ class BlockTagger:
         """``blocks`` (in allocation order) are about to be released by ``req``."""
         rid = req.request_id
         self._looked_up.pop(rid, None)
-        pending = self._pending_outcome.pop(rid, None)
+        key = self.request_key(rid)
+        pending = self._pending_outcome.pop(key, None)
         if pending is not None:
             # A reported fact (the reply called a tool) beats the engine's own
             # finish reason (such replies end with a plain stop).
@@ -206,8 +218,11 @@ class BlockTagger:
         ids = [b.block_id for b in blocks if not b.is_null]
         for bid in ids:
             owner[bid] = serial
-        self._finished[rid] = _FreedRequest(req, serial, ids)
-        self._finished.move_to_end(rid)
+        recs = self._finished.get(key)
+        if recs is None or len(recs) >= 16:
+            recs = self._finished[key] = []
+        recs.append(_FreedRequest(req, serial, ids))
+        self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
         sink = self.sink
@@ -272,15 +287,20 @@ class BlockTagger:
     def reclassify(self, request_id: str, outcome: str) -> int:
         """Record a late fact about a request's reply and refile its free blocks.
 
-        If the request has not released its blocks yet, the outcome is kept
-        and applied when it does.  Returns the number of blocks moved.
+        ``request_id`` is the key of :attr:`request_key` (the external id when
+        the API server reports).  If the request has not released its blocks
+        yet, the outcome is kept and applied when it does.  Returns the
+        number of blocks moved.
         """
-        rec = self._finished.get(request_id)
-        if rec is None:
+        recs = self._finished.get(request_id)
+        if recs is None:
             self._pending_outcome[request_id] = outcome
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
             return 0
+        return sum(self._reclassify(rec, outcome) for rec in recs)
+
+    def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
         req = replace(rec.tags, outcome=outcome)
         rec.tags = req
         self.reclassified_requests += 1
@@ -289,20 +309,17 @@ class BlockTagger:
         blocks = self.blocks
         key = self.class_key
         reg_id = queue.registry.id_of
-        # Group this request's still-free blocks by their new class.
         by_class: dict[int, list[KVCacheBlock]] = {}
         for pos, bid in enumerate(rec.block_ids):
             if owner[bid] != rec.serial:
                 continue
             b = blocks[bid]
-            if b.next_free_block is None:
-                continue
             cid = reg_id(key(req, pos, self.reuse_count[bid]))
-            by_class.setdefault(cid, []).append(b)
-        # Blocks that are still held get their new class when freed.
-        for pos, bid in enumerate(rec.block_ids):
-            if owner[bid] == rec.serial and blocks[bid].next_free_block is None:
-                queue.block_class[bid] = reg_id(key(req, pos, self.reuse_count[bid]))
+            if b.next_free_block is None:
+                # Still held (a deferred free): it is filed at its release.
+                queue.block_class[bid] = cid
+            else:
+                by_class.setdefault(cid, []).append(b)
         moved = 0
         for cid, bs in by_class.items():
             # Refile in free order (oldest first) so scans from the tail stay short.

@@ -1,0 +1,1 @@
+"""``vllm serve --wa-online``: the vLLM plugin, /wa/params, metrics."""

@@ -1,0 +1,265 @@
+"""The engine-core side of ``--wa-online``: queue, controller and utility calls.
+
+``install()`` wraps ``Scheduler.__init__`` so that, once vLLM has built the
+scheduler's KV-cache manager, the workload-aware queue replaces the block
+pool's free queue and the controller starts on an apscheduler background
+thread.  It also adds the ``wa_*`` methods that the API server reaches through
+vLLM's utility-call channel (they run on the engine loop, between steps).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.controller import WAController, sample_rate_for
+from vllm_wa.controller.features import FEATURES, FeatureKey
+from vllm_wa.engine_patch.block_tagger import OUTCOMES
+from vllm_wa.engine_patch.events import EventSink
+from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
+from vllm_wa.params import ParamsError, WAParams
+from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.workload_classes import ClassRegistry
+
+logger = logging.getLogger(__name__)
+_WRAPPED = "__vllm_wa_wrapped__"
+_ATTR = "_vllm_wa_engine"
+_N_PREFIX = re.compile(r"^\d+_")
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(engine_request_id: str) -> str:
+    """The API server's id of an engine request: drop ``{i}_`` and ``-<8 hex>``."""
+    return _SUFFIX.sub("", _N_PREFIX.sub("", engine_request_id))
+
+
+@dataclass
+class EngineWA:
+    """What ``--wa-online`` runs inside one engine core."""
+
+    handle: WAHandle
+    controller: WAController
+    scheduler: Any
+    settings: ServingSettings
+    engine_index: int
+    block_size: int
+    invalid_reports: int = 0
+
+    def stop(self) -> None:
+        try:
+            self.scheduler.shutdown(wait=False)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _attach(sched: Any) -> None:
+    settings = ServingSettings.from_env()
+    manager = getattr(sched, "kv_cache_manager", None)
+    if manager is None or not getattr(manager, "enable_caching", False):
+        logger.warning("vllm-wa: prefix caching is off; --wa-online has nothing to do")
+        return
+    cfg = ControllerConfig.load(settings.config_path) if settings.config_path else ControllerConfig()
+    prior = WAParams.load(settings.params_path) if settings.params_path else None
+    pool = manager.block_pool
+    cache_blocks = pool.num_gpu_blocks
+    rate = cfg.sample_rate or sample_rate_for(cache_blocks, cfg.shadow_blocks)
+    sink = EventSink(capacity=cfg.event_capacity, sample_rate=rate)
+    registry = ClassRegistry(max_classes=cfg.max_classes)
+    initial = next(c for c in cfg.all_candidates if c.name == cfg.initial)
+    key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
+    handle = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key)
+    handle.tagger.request_key = external_request_id
+
+    def apply(params: WAParams, class_key: FeatureKey | None) -> None:
+        if class_key is not None:
+            handle.tagger.set_class_key(class_key)
+        handle.queue.set_params(params)
+
+    controller = WAController(cfg, cache_blocks, apply, sink, prior=prior)
+    if cfg.checkpoint_path:
+        controller.load_checkpoint(cfg.checkpoint_path)
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    bg = BackgroundScheduler(daemon=True)
+    bg.add_job(
+        controller.refit,
+        "interval",
+        seconds=cfg.refit_interval_s,
+        id="vllm-wa-refit",
+        max_instances=1,
+        coalesce=True,
+        misfire_grace_time=None,
+    )
+    bg.start()
+    vllm_config = getattr(sched, "vllm_config", None)
+    index = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0
+    block_size = manager.coordinator.single_type_managers[0].block_size
+    setattr(sched, _ATTR, EngineWA(handle, controller, bg, settings, int(index), int(block_size)))
+    logger.info(
+        "vllm-wa: online controller started (engine %s, %d blocks, sample rate %.4f, refit every %gs)",
+        index, cache_blocks, rate, cfg.refit_interval_s,
+    )
+
+
+def _wrap_scheduler_init(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        _attach(self)
+
+    setattr(__init__, _WRAPPED, orig)
+    return __init__
+
+
+def _engine_wa(core: Any) -> EngineWA | None:
+    return getattr(getattr(core, "scheduler", None), _ATTR, None)
+
+
+# ---- utility methods (bound onto vLLM's EngineCore) -------------------------------------------
+
+
+def wa_get_state(self: Any) -> dict[str, Any]:
+    ewa = _engine_wa(self)
+    if ewa is None:
+        return {"enabled": False}
+    c = ewa.controller
+    state = dict(c.snapshot or c.state_light())
+    state.update(_live_counters(ewa))
+    state["engine"] = ewa.engine_index
+    state["enabled"] = True
+    state["pin_allowed"] = ewa.settings.allow_pin
+    return state
+
+
+def wa_set_params(self: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """Pin parameters (``{"params": <PR json>, "features": [...]}``) or ``{"mode": "auto"}``."""
+    ewa = _engine_wa(self)
+    if ewa is None:
+        return {"ok": False, "error": "vllm-wa is not enabled on this engine"}
+    if not ewa.settings.allow_pin:
+        return {"ok": False, "error": "pinning is disabled (start with --wa-allow-pin)", "status": 403}
+    try:
+        params, features = parse_pin_request(body)
+    except (ParamsError, ValueError) as e:
+        return {"ok": False, "error": str(e), "status": 422}
+    if params is None:
+        ewa.controller.unpin()
+    else:
+        ewa.controller.pin(params, features)
+    return {"ok": True, "engine": ewa.engine_index, "mode": "pinned" if params else "auto",
+            "params_version": ewa.controller.version}
+
+
+def wa_report_outcomes(self: Any, items: list[Any]) -> int:
+    """Late facts from the API server: ``[[external_request_id, outcome], ...]``."""
+    ewa = _engine_wa(self)
+    if ewa is None or not isinstance(items, list):
+        return 0
+    moved = 0
+    for item in items[:10000]:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[1] in OUTCOMES):
+            ewa.invalid_reports += 1
+            continue
+        moved += ewa.handle.tagger.reclassify(item[0], item[1])
+    return moved
+
+
+def wa_get_metrics(self: Any) -> dict[str, Any]:
+    ewa = _engine_wa(self)
+    if ewa is None:
+        return {"enabled": False}
+    c = ewa.controller
+    reg = ewa.handle.registry
+    q = ewa.handle.queue
+    t = ewa.handle.tagger
+    bs = ewa.block_size
+    params = c.params
+    classes = {}
+    for cid in range(min(len(reg), q.num_classes_cap)):
+        name = reg.name_of(cid)
+        m = params.models.get(name)
+        classes[name] = {
+            "reuse_rate": m.a if m is not None else None,
+            "reuse_probability": m.p if m is not None else None,
+            "hit_tokens": t.hit_blocks_by_class[cid] * bs,
+            "queried_tokens": t.queried_blocks_by_class[cid] * bs,
+            "evictions": q.counters.evicted[cid],
+            "reuses": q.counters.reused[cid],
+            "freed": q.counters.freed[cid],
+        }
+    out = {
+        "enabled": True,
+        "engine": ewa.engine_index,
+        "classes": classes,
+        "params_version": c.version,
+        "swaps": c.swaps,
+        "refits": c.refits,
+        "errors": c.errors,
+        "refit_seconds": c.refit_seconds,
+        "pinned": c.pinned is not None,
+    }
+    out.update(_live_counters(ewa))
+    return out
+
+
+def _live_counters(ewa: EngineWA) -> dict[str, Any]:
+    t = ewa.handle.tagger
+    reg = ewa.handle.registry
+    return {
+        "events_dropped": ewa.controller.sink.dropped,
+        "hook_errors": ewa.handle.hook_errors,
+        "tags_missing": t.tag_counters.missing,
+        "tags_invalid": t.tag_counters.invalid,
+        "tags_over_class_cap": reg.counters.overflow,
+        "outcomes_reclassified": t.reclassified_requests,
+        "invalid_outcome_reports": ewa.invalid_reports,
+        "num_classes": len(reg),
+    }
+
+
+def parse_pin_request(body: Any) -> tuple[WAParams | None, tuple[str, ...] | None]:
+    """Validate a PUT /wa/params body; raises ``ParamsError``/``ValueError`` with the reason."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    unknown = set(body) - {"params", "features", "mode"}
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)}; expected params, features or mode")
+    mode = body.get("mode", "pinned" if "params" in body else None)
+    if mode == "auto":
+        if "params" in body:
+            raise ValueError("mode 'auto' takes no params")
+        return None, None
+    if mode != "pinned":
+        raise ValueError("send {'params': {...}} to pin, or {'mode': 'auto'} to return to automatic mode")
+    params = WAParams.from_pr_json(body.get("params"))
+    features = body.get("features", ["tag"])
+    if not isinstance(features, list) or any(f not in FEATURES for f in features) or len(set(features)) != len(features):
+        raise ValueError(f"features must be a list of distinct names from {list(FEATURES)}")
+    return params, tuple(features)
+
+
+_UTILITIES = {
+    "wa_get_state": wa_get_state,
+    "wa_set_params": wa_set_params,
+    "wa_report_outcomes": wa_report_outcomes,
+    "wa_get_metrics": wa_get_metrics,
+}
+
+
+def install() -> None:
+    """Engine-side patches (idempotent); only called when ``--wa-online`` is set."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_wa.engine_patch.compat import check_vllm_version
+
+    check_vllm_version()
+    if getattr(Scheduler.__init__, _WRAPPED, None) is None:
+        Scheduler.__init__ = _wrap_scheduler_init(Scheduler.__init__)
+    for name, fn in _UTILITIES.items():
+        if not hasattr(EngineCore, name):
+            setattr(EngineCore, name, fn)

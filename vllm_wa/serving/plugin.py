@@ -1,0 +1,115 @@
+"""The ``vllm.general_plugins`` entry point of vllm-wa.
+
+vLLM loads it in every process.  Without ``--wa-online`` it only adds the
+``--wa-*`` options to ``vllm serve`` (so they show in ``--help`` and parse):
+same queue, same routes, same metrics.  With ``--wa-online``:
+
+* in the API server, once the arguments are parsed, it checks the vLLM
+  version and the config files (refusing to start with a clear message),
+  publishes the settings to the environment, and installs the routes, the
+  metrics poller and the reply-outcome watcher;
+* in the engine core (spawned; it inherits the environment), it installs the
+  workload-aware queue and the online controller when the scheduler is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from vllm_wa.serving.settings import ServingSettings
+
+logger = logging.getLogger(__name__)
+_WRAPPED = "__vllm_wa_wrapped__"
+_cli_hooked = False
+
+
+def register() -> None:
+    """Entry point; cheap and idempotent (it runs in every vLLM process)."""
+    _install_cli_options()
+    if ServingSettings.from_env().online:
+        from vllm_wa.serving import engine_side
+
+        engine_side.install()
+
+
+def add_cli_options(parser: Any) -> None:
+    if any("--wa-online" in a.option_strings for a in getattr(parser, "_actions", ())):
+        return
+    g = parser.add_argument_group("vllm-wa", "Workload-aware, self-tuning prefix-cache eviction")
+    g.add_argument("--wa-online", action="store_true", default=False,
+                   help="Evict prefix-cache blocks by each workload's learned reuse model (vllm-wa).")
+    g.add_argument("--wa-config", type=str, default=None,
+                   help="TOML config of the vllm-wa controller (see configs/controller.toml).")
+    g.add_argument("--wa-params", type=str, default=None,
+                   help="Seed parameters in the PR #22236 JSON format ({'a': {...}, 'p': {...}}).")
+    g.add_argument("--wa-allow-pin", action="store_true", default=False,
+                   help="Allow PUT /wa/params to pin parameters (needs the API key when one is set).")
+
+
+def _install_cli_options() -> None:
+    """Hook the parser of ``vllm serve`` and the step that turns args into EngineArgs."""
+    global _cli_hooked
+    if _cli_hooked:
+        return
+    _cli_hooked = True
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    orig_pre = current_platform.pre_register_and_update
+
+    def pre_register_and_update(parser: Any = None) -> Any:
+        out = orig_pre(parser)
+        if parser is not None:
+            add_cli_options(parser)
+        return out
+
+    # vLLM calls this with the serve parser right after loading plugins,
+    # before parsing (the only point where a plugin sees the parser).
+    current_platform.pre_register_and_update = pre_register_and_update
+
+    if getattr(EngineArgs.from_cli_args, _WRAPPED, None) is None:
+        orig_from = EngineArgs.from_cli_args.__func__
+
+        @functools.wraps(orig_from)
+        def from_cli_args(cls: Any, args: Any, *a: Any, **kw: Any) -> Any:
+            if getattr(args, "wa_online", False):
+                enable_online(args)
+            return orig_from(cls, args, *a, **kw)
+
+        setattr(from_cli_args, _WRAPPED, orig_from)
+        EngineArgs.from_cli_args = classmethod(from_cli_args)
+
+
+def enable_online(args: Any) -> ServingSettings:
+    """Validate ``--wa-*`` and switch this process (and its children) to online mode.
+
+    Raises ``SystemExit`` with the reason when the server must not start.
+    """
+    from vllm_wa.controller.config import ConfigError, ControllerConfig
+    from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
+    from vllm_wa.params import ParamsError, WAParams
+
+    try:
+        check_vllm_version()
+        if getattr(args, "wa_config", None):
+            ControllerConfig.load(args.wa_config)
+        if getattr(args, "wa_params", None):
+            WAParams.load(args.wa_params)
+    except (UnsupportedVLLMError, ConfigError, ParamsError) as e:
+        raise SystemExit(f"vllm-wa: refusing to start with --wa-online: {e}") from None
+    if getattr(args, "enable_prefix_caching", None) is False:
+        raise SystemExit("vllm-wa: --wa-online needs prefix caching; drop --no-enable-prefix-caching")
+    settings = ServingSettings(
+        online=True,
+        config_path=getattr(args, "wa_config", None),
+        params_path=getattr(args, "wa_params", None),
+        allow_pin=bool(getattr(args, "wa_allow_pin", False)),
+    )
+    settings.export()
+    from vllm_wa.serving import api_side
+
+    api_side.install(settings)
+    logger.info("vllm-wa: --wa-online enabled (pinning %s)", "allowed" if settings.allow_pin else "disabled")
+    return settings

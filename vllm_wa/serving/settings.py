@@ -1,0 +1,53 @@
+"""How ``--wa-*`` flags reach every vLLM process.
+
+The API server parses the flags; the engine core runs in a spawned process
+that re-imports everything.  The flags travel as environment variables, which
+spawned children inherit (and which an operator can set for a headless
+engine).  ``additional_config`` is deliberately not used: it is part of
+vLLM's compile-cache key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV_ONLINE = "VLLM_WA_ONLINE"
+ENV_CONFIG = "VLLM_WA_CONFIG"
+ENV_PARAMS = "VLLM_WA_PARAMS"
+ENV_ALLOW_PIN = "VLLM_WA_ALLOW_PIN"
+ENV_METRICS_INTERVAL = "VLLM_WA_METRICS_INTERVAL"
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    online: bool = False
+    config_path: str | None = None
+    params_path: str | None = None
+    allow_pin: bool = False
+    metrics_interval_s: float = 5.0
+
+    @classmethod
+    def from_env(cls) -> ServingSettings:
+        try:
+            interval = float(os.environ.get(ENV_METRICS_INTERVAL, "5"))
+        except ValueError:
+            interval = 5.0
+        return cls(
+            online=os.environ.get(ENV_ONLINE) == "1",
+            config_path=os.environ.get(ENV_CONFIG) or None,
+            params_path=os.environ.get(ENV_PARAMS) or None,
+            allow_pin=os.environ.get(ENV_ALLOW_PIN) == "1",
+            metrics_interval_s=interval if interval > 0 else 5.0,
+        )
+
+    def export(self) -> None:
+        """Publish to this process's environment (inherited by the engine core)."""
+        os.environ[ENV_ONLINE] = "1" if self.online else "0"
+        for key, value in ((ENV_CONFIG, self.config_path), (ENV_PARAMS, self.params_path)):
+            if value:
+                os.environ[key] = os.path.abspath(value)
+            else:
+                os.environ.pop(key, None)
+        os.environ[ENV_ALLOW_PIN] = "1" if self.allow_pin else "0"
+        os.environ[ENV_METRICS_INTERVAL] = str(self.metrics_interval_s)
