@@ -16,6 +16,7 @@ $(STAMP): requirements/cpu.lock.txt pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
+	./scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

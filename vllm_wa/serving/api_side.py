@@ -20,6 +20,9 @@ import logging
 import secrets
 from typing import Any
 
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
 from vllm_wa.serving.settings import ServingSettings
 
 logger = logging.getLogger(__name__)
@@ -49,10 +52,8 @@ def _api_key_ok(request: Any) -> bool:
     return scheme.lower() == "bearer" and any(secrets.compare_digest(token, t) for t in tokens)
 
 
-def make_router(settings: ServingSettings) -> Any:
-    from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse
-
+def make_router(settings: ServingSettings) -> APIRouter:
+    # (FastAPI resolves the handlers' annotations from this module's globals.)
     from vllm_wa.params import ParamsError
     from vllm_wa.serving.engine_side import parse_pin_request
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -127,9 +128,11 @@ def wa_get_state(self: Any) -> dict[str, Any]:
     if ewa is None:
         return {"enabled": False}
     c = ewa.controller
-    state = dict(c.snapshot or c.state_light())
+    state = dict(c.snapshot or {})
+    state.update(c.state_light())  # current mode and parameters, even between refits
     state.update(_live_counters(ewa))
     state["engine"] = ewa.engine_index
+    state["pid"] = os.getpid()
     state["enabled"] = True
     state["pin_allowed"] = ewa.settings.allow_pin
     return state

@@ -1,0 +1,326 @@
+"""End to end: a real ``vllm serve --wa-online`` of a tiny local model on CPU.
+
+Starts the server (and once without the flag), sends tagged requests of two
+classes with the OpenAI client so that blocks are reused and evicted, and
+checks /wa/params, /metrics, bad input, pinning, and the Grafana dashboard's
+queries through a real Prometheus scraping the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tiny_model import build_tiny_model
+from vllm_wa.serving.cpu_shim import write_vllm_dist_shim
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "test-secret"
+TIMING_FILE = os.environ.get("VLLM_WA_TIMINGS", "")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: object = None, key: str | None = None, timeout: float = 30) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+class Server:
+    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
+        cmd = [
+            vllm_bin, "serve", model, "--served-model-name", "tiny", "--port", str(self.port),
+            "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "512", "--enforce-eager",
+            "--num-gpu-blocks-override", "40", "--max-num-seqs", "4", "--api-key", API_KEY,
+            "--enable-prefix-caching",
+        ]
+        if wa:
+            cmd += ["--wa-online", "--wa-allow-pin"] + (["--wa-config", config] if config else [])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([shim, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env["VLLM_WA_METRICS_INTERVAL"] = "1"
+        env.pop("VLLM_WA_ONLINE", None)
+        self.log_path = os.path.join(log_dir, f"server-{'wa' if wa else 'plain'}.log")
+        self.log = open(self.log_path, "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=log_dir,
+                                     start_new_session=True)
+        deadline = t0 + 420
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); log:\n{self.tail()}")
+            try:
+                if http("GET", self.url + "/health", timeout=2)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, socket.timeout):
+                pass
+            time.sleep(0.5)
+        else:
+            self.stop()
+            raise RuntimeError(f"server did not start; log:\n{self.tail()}")
+        self.startup_s = time.monotonic() - t0
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+WORDS = "the quick brown fox jumps over the lazy dog user assistant tool call function result".split()
+
+
+def text(seed: int, n_words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3 + i // 5) % len(WORDS)] for i in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    model = build_tiny_model(str(d / "tiny-model"))
+    shim = write_vllm_dist_shim(str(d / "shim")) or str(d / "shim")
+    cfg = d / "wa.toml"
+    cfg.write_text(
+        "[controller]\nrefit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
+        "[tuner]\nmin_lookups = 20\nhold_s = 2\n"
+    )
+    return {"dir": str(d), "model": model, "shim": shim, "config": str(cfg)}
+
+
+@pytest.fixture(scope="module")
+def wa_server(workdir):
+    s = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=True, config=workdir["config"])
+    yield s
+    s.stop()
+
+
+def send_conversations(url: str, n_rounds: int = 6) -> int:
+    # 6 conversations growing to ~13 blocks of 32 tokens each: more than the
+    # 40-block cache holds, so blocks are both reused and evicted.
+    """Two workloads: quick agent loops and slower chats, sharing prefixes per conversation."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key=API_KEY)
+    served = 0
+    history = {("agent_1", c): text(c, 120) for c in range(3)}
+    history.update({("chat_1", c): text(100 + c, 120) for c in range(3)})
+    for r in range(n_rounds):
+        for (tag, conv), prompt in list(history.items()):
+            if tag == "chat_1" and r % 2:
+                continue  # people come back less often than tools
+            out = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=2, temperature=0.0,
+                extra_body={"vllm_xargs": {"type_info": tag}},
+            )
+            assert out.choices[0].text is not None
+            served += 1
+            history[(tag, conv)] = prompt + " " + text(r + conv, 55)
+            time.sleep(0.05)
+    return served
+
+
+def wa_state(url: str) -> dict:
+    code, body = http("GET", url + "/wa/params")
+    assert code == 200, body
+    engines = json.loads(body)["engines"]
+    assert len(engines) == 1
+    return engines[0]
+
+
+def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
+    url = wa_server.url
+    first = wa_state(url)
+    assert first["enabled"] and first["mode"] == "auto"
+    pid0 = first["pid"]
+    served = send_conversations(url)
+    assert served >= 25
+    time.sleep(3)  # a few refits
+    st = wa_state(url)
+    # Learned per-class estimates, from both workloads.
+    classes = st["classes"]
+    assert any(name.startswith("agent_1") for name in classes), classes
+    assert any(name.startswith("chat_1") for name in classes), classes
+    fitted = [c for c in classes.values() if c["fitted"]]
+    assert fitted and all(0 < c["reuse_probability"] <= 1 and c["reuse_rate"] > 0 for c in fitted)
+    assert sum(c["reuses"] for c in classes.values()) > 0
+    # Parameters were swapped live, on the same engine process.
+    assert st["swaps"] >= 1 and st["params_version"] > first["params_version"]
+    assert st["pid"] == pid0 and wa_server.proc.poll() is None
+    assert st["errors"] == 0 and st["hook_errors"] == 0
+    # Blocks were evicted and reused in the small cache.
+    code, metrics = http("GET", url + "/metrics")
+    assert code == 200
+    assert "vllm_wa_params_version" in metrics
+    assert 'vllm_wa_reuse_rate{class="' in metrics
+    assert "vllm_wa_evicted_blocks_total" in metrics
+    evicted = sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+        if line.startswith("vllm_wa_evicted_blocks_total{")
+    )
+    assert evicted > 0
+    # Requests kept being served while parameters were swapped.
+    swaps_before = st["swaps"]
+    assert send_conversations(url, n_rounds=2) > 0
+    time.sleep(2)
+    assert wa_state(url)["swaps"] > swaps_before
+    if TIMING_FILE:
+        with open(TIMING_FILE, "a") as f:
+            f.write(json.dumps({"server": "wa-online", "startup_s": wa_server.startup_s, "state": wa_state(url)}) + "\n")
+
+
+def test_bad_tag_is_served_and_counted(wa_server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=wa_server.url + "/v1", api_key=API_KEY)
+    before = wa_state(wa_server.url)["tags_invalid"]
+    for bad in ["bad tag with spaces", "x" * 200, 17]:
+        out = client.completions.create(
+            model="tiny", prompt=text(9, 30), max_tokens=1, extra_body={"vllm_xargs": {"type_info": bad}}
+        )
+        assert out.choices
+    time.sleep(0.5)
+    st = wa_state(wa_server.url)
+    assert st["tags_invalid"] >= before + 3
+    assert "invalid" in " ".join(st["classes"]) or st["tags_invalid"] > 0
+
+
+def test_put_params_needs_key_valid_values_and_can_pin(wa_server):
+    url = wa_server.url + "/wa/params"
+    good = {"params": {"a": {"agent_1": 0.2, "chat_1": 0.01}, "p": {"agent_1": 0.9, "chat_1": 0.5}}}
+    before = wa_state(wa_server.url)
+    code, _ = http("PUT", url, good)
+    assert code == 401
+    for bad in [
+        {"params": {"a": {"x": 1.0}, "p": {"x": 2.0}}},
+        {"params": {"a": {"x": -1}, "p": {"x": 0.5}}},
+        {"params": {"a": {"x": 1.0}}},
+        {"mode": "sideways"},
+        [1, 2, 3],
+    ]:
+        code, body = http("PUT", url, bad, key=API_KEY)
+        assert code == 422, (bad, body)
+    code, _ = http("PUT", url, None, key=API_KEY)
+    assert code in (400, 422)
+    after = wa_state(wa_server.url)
+    assert after["mode"] == "auto" == before["mode"]
+    assert after["params"]["a"] == before["params"]["a"] or after["params_source"].startswith(("online", "prior"))
+    code, body = http("PUT", url, good, key=API_KEY)
+    assert code == 200, body
+    pinned = wa_state(wa_server.url)
+    assert pinned["mode"] == "pinned"
+    assert pinned["params"]["a"]["agent_1"] == pytest.approx(0.2)
+    time.sleep(1.5)  # refits keep the pin
+    assert wa_state(wa_server.url)["params"]["a"]["agent_1"] == pytest.approx(0.2)
+    code, body = http("PUT", url, {"mode": "auto"}, key=API_KEY)
+    assert code == 200, body
+    assert wa_state(wa_server.url)["mode"] == "auto"
+
+
+def _prometheus_query(prom: str, expr: str) -> list:
+    q = urllib.parse.urlencode({"query": expr})
+    code, body = http("GET", f"{prom}/api/v1/query?{q}")
+    assert code == 200, body
+    data = json.loads(body)
+    assert data["status"] == "success", data
+    return data["data"]["result"]
+
+
+def test_grafana_dashboard_queries_return_series(wa_server, workdir):
+    prom_bin = shutil.which("prometheus")
+    assert prom_bin, "Debian's prometheus package is part of the test set-up (make test installs it)"
+    with open(os.path.join(ROOT, "dashboards", "vllm-wa.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 9
+    d = os.path.join(workdir["dir"], "prometheus")
+    os.makedirs(d, exist_ok=True)
+    port = free_port()
+    with open(os.path.join(d, "prometheus.yml"), "w") as f:
+        f.write(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: vllm\n    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{wa_server.port}']\n"
+        )
+    log = open(os.path.join(d, "prometheus.log"), "w")
+    proc = subprocess.Popen(
+        [prom_bin, f"--config.file={d}/prometheus.yml", f"--storage.tsdb.path={d}/data",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    prom = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if _prometheus_query(prom, "up") and _prometheus_query(prom, "vllm_wa_params_version"):
+                    break
+            except (urllib.error.URLError, ConnectionError, AssertionError):
+                pass
+            time.sleep(1)
+        # Traffic while Prometheus scrapes, so every rate() has samples.
+        send_conversations(wa_server.url, n_rounds=3)
+        time.sleep(6)
+        empty = []
+        for expr in exprs:
+            series = _prometheus_query(prom, expr.replace("$__rate_interval", "1m"))
+            if not series:
+                empty.append(expr)
+        assert not empty, f"panel queries without series: {empty}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        log.close()
+
+
+def test_without_flag_nothing_changes(workdir, wa_server):
+    plain = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=False)
+    try:
+        code, _ = http("GET", plain.url + "/wa/params")
+        assert code == 404
+        send_conversations(plain.url, n_rounds=1)
+        code, metrics = http("GET", plain.url + "/metrics")
+        assert code == 200 and "vllm:prefix_cache_queries" in metrics
+        assert "vllm_wa_" not in metrics
+        if TIMING_FILE:
+            with open(TIMING_FILE, "a") as f:
+                f.write(json.dumps({"server": "plain", "startup_s": plain.startup_s}) + "\n")
+    finally:
+        plain.stop()
