@@ -46,7 +46,8 @@ class OnlineWAPolicy(ReplayPolicy):
                 self.tagger.set_class_key(class_key)
             self.queue.set_params(params)
 
-        self.controller = WAController(cfg, cache_blocks, apply, sink, clock=clock)
+        prior = WAParams.load(cfg.seed_params) if cfg.seed_params else None
+        self.controller = WAController(cfg, cache_blocks, apply, sink, clock=clock, prior=prior)
 
     def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:

@@ -64,7 +64,8 @@ def _attach(sched: Any) -> None:
         logger.warning("vllm-wa: prefix caching is off; --wa-online has nothing to do")
         return
     cfg = ControllerConfig.load(settings.config_path) if settings.config_path else ControllerConfig()
-    prior = WAParams.load(settings.params_path) if settings.params_path else None
+    seed = settings.params_path or cfg.seed_params
+    prior = WAParams.load(seed) if seed else None
     pool = manager.block_pool
     cache_blocks = pool.num_gpu_blocks
     rate = cfg.sample_rate or sample_rate_for(cache_blocks, cfg.shadow_blocks)

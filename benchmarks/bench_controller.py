@@ -1,0 +1,183 @@
+"""Cost of the online controller, and of a parameter swap.
+
+1. CPU share: a synthetic engine event stream of ``--rate`` events per second
+   (sampled block frees, evictions, prompt lookups and finishes, in the
+   proportions of a prefix-caching engine) is fed to ``WAController`` over
+   ``--seconds`` of simulated time, with a refit every ``refit_interval_s``.
+   Reported: controller CPU seconds per second of traffic, as a share of one
+   core.
+2. Swap latency: ``queue.set_params`` of a freshly fitted parameter object.
+3. The queue is never locked: engine-thread queue operations are timed with
+   and without the controller refitting on a background thread.
+
+    make bench-controller
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+import time
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.controller import WAController
+from vllm_wa.controller.features import FeatureKey
+from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.workload_classes import ClassRegistry
+
+
+def event_stream(rate: float, seconds: float, seed: int = 0):
+    """Yields (time, event) at ``rate`` events/s: per request, one lookup with
+    ~8 sampled hashes, ~8 frees, ~8 evictions and one finish (18 events)."""
+    from vllm_wa.engine_patch.events import BlockEvent
+
+    rng = random.Random(seed)
+    per_req = 18
+    req_rate = rate / per_req
+    t = 0.0
+    conv_next: dict[int, int] = {}
+    n = 0
+    while t < seconds:
+        t += rng.expovariate(req_rate)
+        conv = rng.randrange(200)
+        tag = "tool" if conv % 3 else "human"
+        turn = conv_next.get(conv, 0)
+        conv_next[conv] = turn + 1
+        hashes = tuple((j, (conv, turn - 1 if j < 6 else turn, j)) for j in range(8))
+        rid = f"r{n}"
+        n += 1
+        yield t, LookupEvent(EventKind.LOOKUP, t, rid, tag, 0, 6, 8, hashes)
+        for j, h in hashes:
+            yield t, FreedEvent(EventKind.FREED, t, h, tag, "tool" if tag == "tool" else "stop", j, turn)
+        for j in range(8):
+            yield t, BlockEvent(EventKind.EVICTED, t, 0, 30.0, (rng.randrange(200), rng.randrange(max(1, turn)), j))
+        yield t, FinishedEvent(EventKind.FINISHED, t, rid, tag, "tool" if tag == "tool" else "stop", 8)
+
+
+def bench_cpu(rate: float, seconds: float) -> dict[str, float]:
+    cfg = ControllerConfig()
+    sink = EventSink(capacity=1 << 22, sample_rate=1.0)
+    clock = [0.0]
+    c = WAController(cfg, 4096, lambda p, k: None, sink, clock=lambda: clock[0])
+    next_refit = cfg.refit_interval_s
+    n = 0
+    cpu0 = time.process_time()
+    for t, ev in event_stream(rate, seconds):
+        if t >= next_refit:
+            clock[0] = next_refit
+            c.refit()
+            next_refit += cfg.refit_interval_s
+        sink.emit(ev)
+        n += 1
+    clock[0] = seconds
+    c.refit()
+    cpu = time.process_time() - cpu0
+    # The generator's own cost is not the controller's: measure it alone.
+    g0 = time.process_time()
+    for t, ev in event_stream(rate, seconds):
+        sink.emit(ev)
+    sink.drain()
+    gen = time.process_time() - g0
+    ctl = max(0.0, cpu - gen)
+    return {"events": n, "seconds": seconds, "controller_cpu_s": ctl, "core_share": ctl / seconds,
+            "errors": c.errors, "refits": c.refits}
+
+
+def bench_swap(repeats: int = 2000) -> dict[str, float]:
+    reg = ClassRegistry()
+    blocks = [KVCacheBlock(i) for i in range(100_000)]
+    q = WorkloadAwareFreeQueue(blocks, None, registry=reg)
+    rng = random.Random(0)
+    variants = [
+        WAParams(models={f"c{i}": ReuseModel((rng.uniform(0.1, 0.4), rng.uniform(0.1, 0.4)),
+                                               (rng.uniform(0.01, 1), rng.uniform(1e-4, 0.01)))
+                         for i in range(16)}, mode="posterior", version=k)
+        for k in range(8)
+    ]
+    times = []
+    for i in range(repeats):
+        p = variants[i % len(variants)]
+        t0 = time.perf_counter_ns()
+        q.set_params(p)
+        times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    return {"median_us": times[len(times) // 2] / 1000, "p99_us": times[int(len(times) * 0.99)] / 1000,
+            "max_us": times[-1] / 1000}
+
+
+def bench_unlocked(seconds: float = 3.0) -> dict[str, float]:
+    """Queue operation latency on the 'engine' thread, alone and while refits run."""
+    reg = ClassRegistry()
+    n = 50_000
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    q = WorkloadAwareFreeQueue(blocks, None, registry=reg, clock=time.monotonic)
+    cids = [reg.id_of(f"c{i}") for i in range(4)]
+    got = q.popleft_n(n)
+    for b in got:
+        b._block_hash = b.block_id
+        q.block_class[b.block_id] = cids[b.block_id % 4]
+    q.append_n(got)
+
+    def engine_ops(duration: float) -> float:
+        worst = 0.0
+        end = time.perf_counter() + duration
+        ops = 0
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            taken = q.popleft_n(32)
+            for b in taken:
+                b._block_hash = b.block_id
+            q.append_n(taken)
+            worst = max(worst, time.perf_counter() - t0)
+            ops += 1
+        return ops / duration
+
+    alone = engine_ops(seconds)
+    stop = threading.Event()
+    cfg = ControllerConfig(refit_interval_s=0.05)
+    sink = EventSink(capacity=1 << 20, sample_rate=1.0)
+    c = WAController(cfg, n, lambda p, k: q.set_params(p), sink)
+    stream = list(event_stream(5000, 60))
+
+    def controller_loop():
+        i = 0
+        while not stop.is_set():
+            for _, ev in stream[i : i + 2000]:
+                sink.emit(ev)
+            i = (i + 2000) % len(stream)
+            c.refit()
+
+    th = threading.Thread(target=controller_loop, daemon=True)
+    th.start()
+    busy = engine_ops(seconds)
+    stop.set()
+    th.join()
+    return {"engine_ops_per_s_alone": alone, "engine_ops_per_s_with_refits": busy, "refits": c.refits,
+            "note": "no lock: the ratio is the GIL share the refit thread takes"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=5000.0)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    args = ap.parse_args()
+    cpu = bench_cpu(args.rate, args.seconds)
+    print(f"controller at {args.rate:.0f} events/s over {args.seconds:.0f}s of traffic: "
+          f"{cpu['controller_cpu_s']:.2f} CPU s = {100 * cpu['core_share']:.2f}% of one core "
+          f"({cpu['refits']} refits, {cpu['errors']} errors)")
+    sw = bench_swap()
+    print(f"parameter swap (queue.set_params): median {sw['median_us']:.1f} us, p99 {sw['p99_us']:.1f} us, "
+          f"max {sw['max_us']:.1f} us")
+    un = bench_unlocked()
+    print(f"engine-thread queue ops/s: alone {un['engine_ops_per_s_alone']:.0f}, while the controller refits "
+          f"on another thread {un['engine_ops_per_s_with_refits']:.0f} ({un['refits']} refits); "
+          f"{un['note']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""The online controller: censored estimation, drift, the job's robustness, tuning, state."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
+from vllm_wa.controller.controller import WAController
+from vllm_wa.controller.estimators import ReuseEstimator, fit_model
+from vllm_wa.controller.features import FeatureKey
+from vllm_wa.controller.reuse_tracker import ReuseTracker
+from vllm_wa.controller.survival import SurvivalData, fit_exponential, fit_hyperexponential, naive_exponential
+from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.params import ReuseModel, WAParams
+
+# ---- estimation under censoring --------------------------------------------------------------
+
+
+def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, ghost_capacity: int):
+    """Blocks freed as a Poisson stream; each is reused w.p. p after Exp(a).
+
+    The cache evicts each block after an Exp(1/evict_mean) delay.  Returns the
+    estimator fed through the controller's tracker (ghost table included),
+    the naive data (only hits on resident blocks), and the eviction share.
+    """
+    rng = random.Random(seed)
+    est = ReuseEstimator(memory_s=1e12, drift_forget=1.0)  # a stationary stream: no forgetting
+    tracker = ReuseTracker(
+        ghost_capacity=ghost_capacity, watch_capacity=10 * n, max_watch_s=1e9,
+        on_reuse=lambda k, gap: est.update(gap=gap), on_censored=lambda k, e: est.update(exposure=e),
+    )
+    naive = SurvivalData()
+    events = []
+    t = 0.0
+    for i in range(n):
+        t += rng.expovariate(2.0)
+        events.append((t, 0, i))  # freed
+        reuse = rng.expovariate(a) if rng.random() < p else math.inf
+        evict = rng.expovariate(1.0 / evict_mean)
+        if evict < reuse:
+            events.append((t + evict, 1, i))
+        if reuse < math.inf:
+            events.append((t + reuse, 2, i))
+    events.sort()
+    free_at = {}
+    resident = set()
+    evicted_before_reuse = 0
+    for when, kind, i in events:
+        if kind == 0:
+            tracker.freed(i, 0, when)
+            free_at[i] = when
+            resident.add(i)
+        elif kind == 1:
+            tracker.evicted(i, when)
+            resident.discard(i)
+            evicted_before_reuse += 1
+        else:
+            tracker.looked_up([(0, i)], when)
+            if i in resident:
+                naive.add_event(when - free_at[i])
+                resident.discard(i)
+    end = events[-1][0]
+    for _, exposure in tracker.at_risk(end):
+        est.update(exposure=exposure)
+    return est, naive, evicted_before_reuse / n
+
+
+@pytest.mark.parametrize("p, a", [(0.6, 1 / 60), (0.9, 1 / 20), (0.3, 1 / 300)])
+def test_censored_estimates_within_10_percent_and_naive_is_far_off(p, a):
+    n = 20000
+    est, naive, evicted = simulate_stream(p, a, evict_mean=0.25 / a, n=n, seed=7, ghost_capacity=n)
+    assert evicted >= 0.70, evicted
+    p_hat, a_hat = fit_exponential(est.data)
+    assert abs(p_hat - p) / p < 0.10, (p_hat, p)
+    assert abs(a_hat - a) / a < 0.10, (a_hat, a)
+    p_naive, a_naive = naive_exponential(naive, freed=n)
+    # Ignoring censoring: gaps look short (rate too high), reuse looks rare.
+    assert a_naive / a > 2.0, (a_naive, a)
+    assert abs(p_naive - p) / p > 0.5, (p_naive, p)
+
+
+def test_small_ghost_table_still_corrects_for_censoring():
+    p, a, n = 0.7, 1 / 100, 20000
+    est, _, evicted = simulate_stream(p, a, evict_mean=20.0, n=n, seed=3, ghost_capacity=400)
+    assert evicted > 0.7
+    p_hat, a_hat = fit_exponential(est.data)
+    # Less information, larger error, but still the right ballpark.
+    assert abs(p_hat - p) / p < 0.25 and abs(a_hat - a) / a < 0.35
+
+
+def test_hyperexponential_recovers_a_heavy_tailed_survival():
+    rng = np.random.default_rng(0)
+    n = 30000
+    kind = rng.random(n)
+    gaps = np.where(kind < 0.5, rng.exponential(10.0, n), rng.exponential(1000.0, n))
+    reused = rng.random(n) < 0.8
+    data = SurvivalData()
+    exposure_limit = 3000.0
+    for g, r in zip(gaps, reused):
+        if r and g < exposure_limit:
+            data.add_event(float(g))
+        else:
+            data.add_censored(exposure_limit)
+    model, weights = fit_hyperexponential(data)
+    assert model is not None and weights is not None
+    truth = ReuseModel((0.4, 0.4), (1 / 10, 1 / 1000))
+    for t in (5.0, 30.0, 300.0, 2000.0):
+        assert abs(model.survival(t) - truth.survival(t)) < 0.03, t
+    # A single exponential cannot follow both time scales.
+    p, a = fit_exponential(data)
+    single = ReuseModel.exponential(p, a)
+    assert max(abs(single.survival(t) - truth.survival(t)) for t in (5.0, 30.0, 300.0, 2000.0)) > 0.08
+    # Warm start from the previous weights converges to the same fit.
+    again, _ = fit_hyperexponential(data, init=weights)
+    assert abs(again.survival(100.0) - model.survival(100.0)) < 1e-3
+
+
+def test_drift_detector_shortens_memory():
+    est = ReuseEstimator(memory_s=1e9, drift_delta=0.002, drift_forget=0.25)
+    rng = random.Random(1)
+    for _ in range(3000):
+        est.update(gap=rng.expovariate(1 / 5))
+    before = est.data.n_events
+    fired = False
+    for _ in range(3000):
+        fired |= est.update(gap=rng.expovariate(1 / 500))
+    assert fired and est.drifts >= 1
+    # Old short gaps were largely forgotten: the fit reflects the new regime.
+    assert est.data.n_events < before + 3000
+    model = est.get("exponential")
+    assert 1 / model.a > 100
+
+
+# ---- the controller job -------------------------------------------------------------------------
+
+
+def small_config(**kw) -> ControllerConfig:
+    base = dict(refit_interval_s=1.0, min_samples=5, tuner_min_lookups=10, tuner_hold_s=0.0, tuner_window_s=60.0)
+    base.update(kw)
+    return ControllerConfig(**base)
+
+
+class Applied:
+    def __init__(self) -> None:
+        self.calls: list[tuple[WAParams, FeatureKey | None]] = []
+
+    def __call__(self, params, key) -> None:
+        self.calls.append((params, key))
+
+
+def feed(sink: EventSink, t0: float, n_conv: int = 6, rounds: int = 8, gap_tool: float = 2.0, gap_human: float = 60.0):
+    """Conversations: tool loops come back fast, people slowly."""
+    t = t0
+    for r in range(rounds):
+        for c in range(n_conv):
+            tag = "tool" if c % 2 else "human"
+            rid = f"{tag}-{c}-{r}"
+            hashes = tuple((j, (c, j)) for j in range(4 + r))
+            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, 0, 0, len(hashes), hashes))
+            t += 0.1
+            for j, h in hashes:
+                sink.emit(FreedEvent(EventKind.FREED, t, h, tag, "tool" if tag == "tool" else "stop", j, r))
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, rid, tag, "tool" if tag == "tool" else "stop", len(hashes)))
+        t += gap_tool if r % 3 else gap_human
+    return t
+
+
+def test_refit_learns_classes_and_swaps_params():
+    sink = EventSink(capacity=100000)
+    applied = Applied()
+    clock = [0.0]
+    c = WAController(small_config(), 200, applied, sink, clock=lambda: clock[0])
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    assert c.errors == 0 and c.refits == 1 and c.swaps == 1
+    params, key = applied.calls[-1]
+    assert params.version == 1 and isinstance(key, FeatureKey)
+    st = c.state()
+    assert {"tool.tool", "human.stop"} <= set(st["classes"])
+    assert st["classes"]["tool.tool"]["reuses"] > 0
+    assert json.loads(json.dumps(st)) == st  # plain JSON for /wa/params
+    assert len(st["candidates"]) == len(ControllerConfig().all_candidates)
+    assert any(cand["name"] == "lru" for cand in st["candidates"])
+
+
+def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
+    sink = EventSink()
+    applied = Applied()
+    clock = [0.0]
+    c = WAController(small_config(), 200, applied, sink, clock=lambda: clock[0])
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    good = c.params
+    import vllm_wa.controller.controller as mod
+
+    def boom(*a, **k):
+        raise RuntimeError("fit exploded")
+
+    monkeypatch.setattr(mod, "fit_model", boom)
+    clock[0] = feed(sink, clock[0])
+    c.refit()  # must not raise
+    assert c.errors == 1 and "fit exploded" in c.last_error
+    assert c.params is good and len(applied.calls) == 1
+    monkeypatch.undo()
+    c.refit()
+    assert c.errors == 1 and len(applied.calls) == 2
+
+
+def test_tuner_promotes_with_hysteresis_and_falls_back_to_lru():
+    sink = EventSink()
+    clock = [0.0]
+    cfg = small_config(tuner_hold_s=10.0, tuner_margin=0.01, tuner_min_lookups=10)
+    c = WAController(cfg, 200, Applied(), sink, clock=lambda: clock[0])
+    wa = c.active
+    lru = c.candidates["lru"]
+    cur = c.candidates[wa]
+
+    def window(cand, t, hits):
+        cand.shadow.window.add(t, hits, 100)
+
+    # LRU leads by 5 points: not promoted before the hold time has passed.
+    window(lru, 0.0, 60)
+    window(cur, 0.0, 55)
+    c._tune(0.0)
+    assert c.active == wa
+    c._tune(5.0)
+    assert c.active == wa
+    c._tune(11.0)
+    assert c.active == "lru"
+    assert c.switches[-1]["to"] == "lru"
+    # A lead below the margin never promotes.
+    window(cur, 12.0, 5)  # cur: 60 / 200 = 0.30; lru: 60 / 100 = 0.6 -> lru stays
+    c._tune(30.0)
+    assert c.active == "lru"
+
+
+def test_pin_and_unpin():
+    sink = EventSink()
+    applied = Applied()
+    c = WAController(small_config(), 200, applied, sink, clock=lambda: 1.0)
+    pinned = WAParams.from_pr_json({"a": {"x": 0.5}, "p": {"x": 0.5}})
+    c.pin(pinned, ("tag",))
+    assert c.pinned is not None and applied.calls[-1][0].models == pinned.models
+    c.refit()
+    assert applied.calls[-1][0].models == pinned.models  # refits keep the pin
+    c.unpin()
+    assert c.pinned is None and c.state_light()["mode"] == "auto"
+
+
+def test_checkpoint_round_trip_and_corrupt_file(tmp_path, caplog):
+    sink = EventSink()
+    clock = [0.0]
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: clock[0])
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    path = tmp_path / "ckpt.json"
+    c.save_checkpoint(str(path))
+    fresh = WAController(small_config(), 200, Applied(), EventSink(), clock=lambda: clock[0])
+    assert fresh.load_checkpoint(str(path))
+    assert len(fresh.estimators) == len(c.estimators)
+    assert fresh.estimators[0].data.n == pytest.approx(c.estimators[0].data.n)
+    assert fresh.params.models == c.params.models
+    for bad in ["{not json", json.dumps({"version": 99}), json.dumps({"version": 1, "classes": [{"components": [1]}]})]:
+        path.write_text(bad)
+        other = WAController(small_config(), 200, Applied(), EventSink(), clock=lambda: 0.0)
+        assert other.load_checkpoint(str(path)) is False
+        assert other.params.source == "prior" and not other.estimators
+    assert WAController(small_config(), 200, Applied(), EventSink()).load_checkpoint(str(tmp_path / "none")) is False
+    assert "ignoring checkpoint" in caplog.text
+
+
+def test_checkpoint_written_atomically_by_the_job(tmp_path):
+    path = tmp_path / "wa.json"
+    sink = EventSink()
+    clock = [0.0]
+    c = WAController(small_config(checkpoint_path=str(path), checkpoint_interval_s=1.0), 200, Applied(), sink,
+                     clock=lambda: clock[0])
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    assert json.loads(path.read_text())["version"] == 1
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+
+
+def test_default_config_file_matches_defaults():
+    import os
+
+    cfg = ControllerConfig.load(os.path.join(os.path.dirname(__file__), "..", "configs", "controller.toml"))
+    assert cfg == ControllerConfig()
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"controller": {"refit_interval": 5}}, "controller.refit_interval"),
+        ({"controller": {"refit_interval_s": -1}}, "refit_interval_s"),
+        ({"controller": {"memory_s": "long"}}, "memory_s"),
+        ({"controller": {"drift_forget": 0}}, "drift_forget"),
+        ({"tuner": {"margin": -0.1}}, "tuner_margin"),
+        ({"tuner": {"candidates": [{"features": ["color"]}], "initial": "lru"}}, "candidates[0].features"),
+        ({"tuner": {"candidates": [{"family": "weibull"}], "initial": "lru"}}, "candidates[0].family"),
+        ({"tuner": {"candidates": [{"horizon": 0}], "initial": "lru"}}, "candidates[0].horizon"),
+        ({"tuner": {"candidates": [{"speed": 1}], "initial": "lru"}}, "candidates[0].speed"),
+        ({"tuner": {"initial": "nope"}}, "initial"),
+        ({"extra": {}}, "extra"),
+    ],
+)
+def test_bad_config_names_the_key(data, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        ControllerConfig.from_dict(data)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[controller]\nrefit_interval_s = = 3\n")
+    with pytest.raises(ConfigError, match="c.toml"):
+        ControllerConfig.load(str(p))
+    p.write_text("[tuner]\nwindow_s = 0\n")
+    with pytest.raises(ConfigError, match="tuner_window_s"):
+        ControllerConfig.load(str(p))
+
+
+def test_candidate_names_and_lru_always_present():
+    cfg = ControllerConfig(candidates=(CandidateSpec(("outcome",), "exponential", "pr", 5.0),), initial="lru")
+    names = [c.name for c in cfg.all_candidates]
+    assert names == ["lru", "outcome/exp/pr/L5"]
+
+
+def test_feature_key_names_and_buckets():
+    from vllm_wa.engine_patch.block_tagger import RequestTags
+
+    k = FeatureKey(("tag", "outcome", "depth", "reuse"))
+    assert k.uses_block_features
+    assert k(RequestTags("r", "chat", "tool"), 0, 0) == "chat.tool.d0.r0"
+    assert k(RequestTags("r", "chat", None), 5000, 9) == "chat.unknown.d3.r3"
+    assert not FeatureKey(("tag",)).uses_block_features
+    with pytest.raises(ValueError):
+        FeatureKey(("color",))
+
+
+def test_fit_model_families():
+    d = SurvivalData()
+    for g in [1, 2, 3, 5, 8]:
+        d.add_event(g)
+    d.add_censored(100)
+    assert fit_model(d, "exponential").p > 0.5
+    assert fit_model(d, "hyperexponential") is not None
+    assert fit_model(SurvivalData(), "exponential") is None
+    with pytest.raises(ValueError):
+        fit_model(d, "weibull")
