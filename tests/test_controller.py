@@ -181,8 +181,8 @@ def test_refit_learns_classes_and_swaps_params():
     params, key = applied.calls[-1]
     assert params.version == 1 and isinstance(key, FeatureKey)
     st = c.state()
-    assert {"tool.tool", "human.stop"} <= set(st["classes"])
-    assert st["classes"]["tool.tool"]["reuses"] > 0
+    assert {"tool.o:tool", "human.o:stop"} <= set(st["classes"])
+    assert st["classes"]["tool.o:tool"]["reuses"] > 0
     assert json.loads(json.dumps(st)) == st  # plain JSON for /wa/params
     assert len(st["candidates"]) == len(ControllerConfig().all_candidates)
     assert any(cand["name"] == "lru" for cand in st["candidates"])
@@ -338,8 +338,10 @@ def test_feature_key_names_and_buckets():
 
     k = FeatureKey(("tag", "outcome", "depth", "reuse"))
     assert k.uses_block_features
-    assert k(RequestTags("r", "chat", "tool"), 0, 0) == "chat.tool.d0.r0"
-    assert k(RequestTags("r", "chat", None), 5000, 9) == "chat.unknown.d3.r3"
+    assert k(RequestTags("r", "chat", "tool"), 0, 0) == "chat.o:tool.d0.r0"
+    assert k(RequestTags("r", "chat", None), 5000, 9) == "chat.o:unknown.d3.r3"
+    assert FeatureKey(("outcome",))(RequestTags("r", "tool", "tool"), 0, 0) == "o:tool"
+    assert FeatureKey(("tag",))(RequestTags("r", "tool", "tool"), 0, 0) == "tool"
     assert not FeatureKey(("tag",)).uses_block_features
     with pytest.raises(ValueError):
         FeatureKey(("color",))

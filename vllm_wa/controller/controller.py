@@ -297,13 +297,30 @@ class WAController:
         elif cand.spec.lru:
             params, key = WAParams.lru(source="online:lru"), None
         else:
-            params, key = cand.params, cand.key
+            params, key = self._with_other_classes(cand), cand.key
         self.version += 1
         params = params.evolve(version=self.version)
         self.apply(params, key)
         self.params = params
         self.swaps += 1
         self.last_swap = now
+
+    def _with_other_classes(self, cand: Candidate) -> WAParams:
+        """The active candidate's parameters, plus the other candidates' classes.
+
+        Blocks freed under an earlier class key keep their class until they
+        leave the queue; class names of different keys never collide, so
+        adding every candidate's current models keeps those blocks scored by
+        what was learned about them instead of by the default model.
+        """
+        merged: dict[str, ReuseModel] = {}
+        for other in self.candidates.values():
+            if other is not cand and not other.spec.lru:
+                merged.update(other.params.models)
+        if not merged:
+            return cand.params
+        merged.update(cand.params.models)
+        return cand.params.evolve(models=merged)
 
     # ---- operator control ---------------------------------------------------------------------
 

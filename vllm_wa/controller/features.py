@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FEATURES = ("tag", "outcome", "depth", "reuse")
+_PREFIX = {"tag": "", "outcome": "o:", "depth": "d", "reuse": "r"}
 DEFAULT_DEPTH_EDGES = (64, 512, 2048)  # blocks: shallow, mid, deep, very deep
 DEFAULT_REUSE_EDGES = (1, 2, 4)  # reuse counts: 0, 1, 2-3, 4+
 
@@ -52,12 +53,16 @@ class FeatureKey:
         )
 
     def name_of(self, comps: tuple[Any, ...]) -> str:
-        """Class name of a finest-class tuple under this key's features."""
+        """Class name of a finest-class tuple under this key's features.
+
+        The tag stands alone (so the tag-only key gives PR-compatible names);
+        other features carry a prefix, so names of different keys never
+        collide (``tool`` the tag vs ``o:tool`` the outcome).
+        """
         parts = []
         for f in self.features:
-            i = FEATURES.index(f)
-            v = comps[i]
-            parts.append(f"d{v}" if f == "depth" else f"r{v}" if f == "reuse" else str(v))
+            v = comps[FEATURES.index(f)]
+            parts.append(_PREFIX[f] + str(v))
         return ".".join(parts) if parts else "all"
 
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
