@@ -21,7 +21,7 @@ from vllm_wa.params import WAParams
 from vllm_wa.replay.belady import BeladyFreeQueue, BeladyOracle
 from vllm_wa.workload_classes import ClassRegistry
 
-POLICIES = ("lru", "wa-offline", "opt", "infinite", "wa-online")
+POLICIES = ("lru", "wa-offline", "opt", "infinite", "wa-online", "wa-reprofiled")
 
 
 class ReplayClock:

@@ -22,8 +22,10 @@ from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.trace import Trace
 
 
-def profile_trace(trace: Trace, until: float, lifetime: LifetimeModel | None = None) -> WAParams:
-    """PR-format parameters from the requests arriving before ``until``."""
+def profile_trace(
+    trace: Trace, until: float, lifetime: LifetimeModel | None = None, since: float = float("-inf")
+) -> WAParams:
+    """PR-format parameters from the requests arriving in ``[since, until)``."""
     lifetime = lifetime or LifetimeModel()
     last_class: dict[int, str] = {}
     free_at: dict[int, float] = {}
@@ -42,6 +44,8 @@ def profile_trace(trace: Trace, until: float, lifetime: LifetimeModel | None = N
                 del holders[h]
 
     for i, r in enumerate(reqs):
+        if r.arrival < since:
+            continue
         if r.arrival >= until:
             break
         while finishing and finishing[0][0] <= r.arrival:

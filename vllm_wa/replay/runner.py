@@ -184,6 +184,7 @@ class SweepSetup:
     cfg: ReplayConfig
     eval_start: float
     offline_params: WAParams | None = None
+    reprofiled_params: WAParams | None = None
     next_req: Any = None
     offsets: Any = None
 
@@ -201,6 +202,10 @@ def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSe
     setup = SweepSetup(trace, cfg, eval_start)
     if "wa-offline" in policies:
         setup.offline_params = profile_trace(trace, eval_start, cfg.lifetime)
+    if "wa-reprofiled" in policies:
+        # The PR workflow re-run on the evaluation window itself: what a fresh
+        # offline profile of the new traffic would give (a reference for shifts).
+        setup.reprofiled_params = profile_trace(trace, trace.end + 1.0, cfg.lifetime, since=eval_start)
     if "opt" in policies:
         setup.next_req, setup.offsets = next_use_table(trace)
     return setup
@@ -213,6 +218,8 @@ def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
         return ReplayPolicy("infinite", unbounded=True)
     if name == "wa-offline":
         return StaticWAPolicy("wa-offline", params=setup.offline_params)
+    if name == "wa-reprofiled":
+        return StaticWAPolicy("wa-reprofiled", params=setup.reprofiled_params)
     if name == "opt":
         return OptPolicy("opt", next_req=setup.next_req, offsets=setup.offsets)
     if name == "wa-online":
@@ -243,7 +250,7 @@ def sweep(
         for n in [sizes[-1]] if p == "infinite" else sizes:
             tasks.append((p, n))
     # Longest first: Belady and the online controller cost the most.
-    cost = {"opt": 3, "wa-online": 4, "wa-offline": 2, "lru": 1, "infinite": 1}
+    cost = {"opt": 3, "wa-online": 4, "wa-offline": 2, "wa-reprofiled": 2, "lru": 1, "infinite": 1}
     tasks.sort(key=lambda t: -cost.get(t[0], 1))
     jobs = jobs or min(len(tasks), os.cpu_count() or 1)
     _SETUP = setup
