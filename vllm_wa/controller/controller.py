@@ -36,6 +36,7 @@ from vllm_wa.controller.shadow import ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
+from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 1
@@ -55,6 +56,35 @@ class Candidate:
 def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
     """Sample so the miniature caches hold about ``shadow_blocks`` blocks."""
     return min(1.0, shadow_blocks / max(1, cache_blocks))
+
+
+def start_online(
+    config: ControllerConfig,
+    cache_blocks: int,
+    install: Callable[[EventSink, ClassRegistry, FeatureKey], tuple[Any, Any]],
+    clock: Callable[[], float] = time.monotonic,
+    prior: WAParams | None = None,
+) -> WAController:
+    """Wire a live queue to a new controller (the engine and the replay share this).
+
+    ``install(sink, registry, class_key)`` puts the workload-aware queue in
+    place and returns ``(queue, tagger)``; swaps go to both.
+    """
+    rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
+    sink = EventSink(capacity=config.event_capacity, sample_rate=rate)
+    registry = ClassRegistry(max_classes=config.max_classes)
+    initial = next(c for c in config.all_candidates if c.name == config.initial)
+    key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
+    queue, tagger = install(sink, registry, key)
+    if prior is None and config.seed_params:
+        prior = WAParams.load(config.seed_params)
+
+    def apply(params: WAParams, class_key: FeatureKey | None) -> None:
+        if class_key is not None:
+            tagger.set_class_key(class_key)
+        queue.set_params(params)
+
+    return WAController(config, cache_blocks, apply, sink, clock=clock, prior=prior)
 
 
 class WAController:
@@ -378,11 +408,7 @@ class WAController:
             return None if x is None else round(x, 6)
 
         return {
-            "mode": "pinned" if self.pinned is not None else "auto",
-            "active_candidate": self.active,
-            "params": self.params.to_pr_json(),
-            "params_version": self.version,
-            "params_source": self.params.source,
+            **self.state_light(),
             "classes": self.class_estimates(),
             "candidates": [
                 {
@@ -398,9 +424,6 @@ class WAController:
             "switches": list(self.switches),
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
-            "refits": self.refits,
-            "swaps": self.swaps,
-            "errors": self.errors,
             "last_error": self.last_error,
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,

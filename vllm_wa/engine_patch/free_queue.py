@@ -64,6 +64,16 @@ class QueueCounters:
     reclassified: int = 0
 
 
+def blocks_after(order: Iterable[KVCacheBlock], cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+    """The blocks of ``order`` after ``cursor`` (all of them when it is None)."""
+    found = cursor is None
+    for b in order:
+        if found:
+            yield b
+        elif b is cursor:
+            found = True
+
+
 class WorkloadAwareFreeQueue:
     """Free-block queue that evicts the block least likely to be reused soon.
 
@@ -416,13 +426,8 @@ class WorkloadAwareFreeQueue:
         A cursor that is no longer free yields nothing, as in vLLM.
         """
         if cursor is not None and cursor.next_free_block is None:
-            return
-        found = cursor is None
-        for b in self.iter_eviction_order():
-            if found:
-                yield b
-            elif b is cursor:
-                found = True
+            return iter(())
+        return blocks_after(self.iter_eviction_order(), cursor)
 
     # ---- workload-aware extras ------------------------------------------------------
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_wa.engine_patch.free_queue import blocks_after
 from vllm_wa.replay.trace import Trace
 
 NEVER = np.iinfo(np.int64).max
@@ -234,12 +235,7 @@ class BeladyFreeQueue:
         return list(self.iter_eviction_order())
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-        found = cursor is None
-        for b in self.iter_eviction_order():
-            if found:
-                yield b
-            elif b is cursor:
-                found = True
+        return blocks_after(self.iter_eviction_order(), cursor)
 
 
 class BeladyOracle:

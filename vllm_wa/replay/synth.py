@@ -25,7 +25,6 @@ are published figures; token lengths, turn counts and spreads are guesses.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import gzip
 import heapq
@@ -368,28 +367,3 @@ def write_trace(config: SynthConfig, path: str) -> int:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return n
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m vllm_wa.replay.synth [--config X.toml] [--seed N] OUT``."""
-    ap = argparse.ArgumentParser(description="Write a synthetic Bailian-format trace.")
-    ap.add_argument("out", help="output path (.jsonl or .jsonl.gz)")
-    ap.add_argument("--config", help="TOML config; default: the built-in Bailian trace A calibration")
-    ap.add_argument("--seed", type=int, help="override the config's seed")
-    ap.add_argument("--duration", type=float, help="override duration_s")
-    args = ap.parse_args(argv)
-    cfg = SynthConfig.from_toml(args.config) if args.config else SynthConfig.bailian_a()
-    over: dict[str, Any] = {}
-    if args.seed is not None:
-        over["seed"] = args.seed
-    if args.duration is not None:
-        over["duration_s"] = args.duration
-    if over:
-        cfg = replace(cfg, **over)
-    n = write_trace(cfg, args.out)
-    print(f"{n} records -> {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_wa.controller.config import ControllerConfig
-from vllm_wa.controller.controller import WAController, sample_rate_for
+from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FEATURES, FeatureKey
 from vllm_wa.engine_patch.block_tagger import OUTCOMES
 from vllm_wa.engine_patch.events import EventSink
@@ -64,24 +64,18 @@ def _attach(sched: Any) -> None:
         logger.warning("vllm-wa: prefix caching is off; --wa-online has nothing to do")
         return
     cfg = ControllerConfig.load(settings.config_path) if settings.config_path else ControllerConfig()
-    seed = settings.params_path or cfg.seed_params
-    prior = WAParams.load(seed) if seed else None
+    prior = WAParams.load(settings.params_path) if settings.params_path else None
     pool = manager.block_pool
-    cache_blocks = pool.num_gpu_blocks
-    rate = cfg.sample_rate or sample_rate_for(cache_blocks, cfg.shadow_blocks)
-    sink = EventSink(capacity=cfg.event_capacity, sample_rate=rate)
-    registry = ClassRegistry(max_classes=cfg.max_classes)
-    initial = next(c for c in cfg.all_candidates if c.name == cfg.initial)
-    key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
-    handle = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key)
-    handle.tagger.request_key = external_request_id
+    handles: list[WAHandle] = []
 
-    def apply(params: WAParams, class_key: FeatureKey | None) -> None:
-        if class_key is not None:
-            handle.tagger.set_class_key(class_key)
-        handle.queue.set_params(params)
+    def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
+        h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key)
+        h.tagger.request_key = external_request_id
+        handles.append(h)
+        return h.queue, h.tagger
 
-    controller = WAController(cfg, cache_blocks, apply, sink, prior=prior)
+    controller = start_online(cfg, pool.num_gpu_blocks, install, prior=prior)
+    handle = handles[0]
     if cfg.checkpoint_path:
         controller.load_checkpoint(cfg.checkpoint_path)
     from apscheduler.schedulers.background import BackgroundScheduler
@@ -103,7 +97,7 @@ def _attach(sched: Any) -> None:
     setattr(sched, _ATTR, EngineWA(handle, controller, bg, settings, int(index), int(block_size)))
     logger.info(
         "vllm-wa: online controller started (engine %s, %d blocks, sample rate %.4f, refit every %gs)",
-        index, cache_blocks, rate, cfg.refit_interval_s,
+        index, pool.num_gpu_blocks, controller.sink.sample_rate, cfg.refit_interval_s,
     )
 
 
