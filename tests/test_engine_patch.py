@@ -416,3 +416,15 @@ def test_unpatched_manager_unaffected_by_installed_hooks(clock):
 
 def test_fake_clock_type():
     assert isinstance(FakeClock()(), float)
+
+
+def test_request_that_does_not_fit_is_reported_finished(clock):
+    m = make_manager(6)
+    sink = EventSink(capacity=1000)
+    install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    big = make_request("big", tokens(0, 8, 1))
+    blocks, n_hit, _ = m.get_computed_blocks(big)
+    assert m.allocate_slots(big, big.num_tokens - n_hit, n_hit, blocks) is None
+    m.free(big)  # what the scheduler does when a waiting request is aborted
+    kinds = [(e.kind, getattr(e, "request_id", None)) for e in sink.drain()]
+    assert kinds == [(EventKind.LOOKUP, "big"), (EventKind.FINISHED, "big")]

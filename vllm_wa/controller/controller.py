@@ -228,6 +228,8 @@ class WAController:
                 est.forget(now - self._last_forget)
         self._last_forget = now
         self.tracker.expire(now)
+        for cand in self.candidates.values():
+            cand.shadow.expire(now, self.config.max_watch_s)
         at_risk = self._at_risk(now)
         for cand in self.candidates.values():
             if cand.spec.lru:

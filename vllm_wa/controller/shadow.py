@@ -79,6 +79,7 @@ class ShadowCache:
         self.lookups = 0
         self.overflow = 0
         self._tags: dict[str, str] = {}
+        self._since: dict[str, float] = {}  # request -> when it was admitted
 
     def _make_queue(self, blocks: list) -> Any:
         if self.spec.lru:
@@ -109,6 +110,7 @@ class ShadowCache:
             n_hit = 0
         else:
             self._tags[request_id] = tag
+            self._since[request_id] = t
         self.hits += n_hit
         self.lookups += len(hashes)
         self.window.add(t, n_hit, len(hashes))
@@ -118,10 +120,14 @@ class ShadowCache:
         tag = self._tags.pop(request_id, None)
         if tag is None:
             return
+        del self._since[request_id]
         if self.tagger is not None:
             self.tagger.on_free(RequestTags(request_id, tag, outcome), self.pool.held[request_id], t)
         self.pool.release(request_id)
 
-    def release_all(self) -> None:
-        for rid in list(self._tags):
-            self.finish(rid, None, self.clock.t)
+    def expire(self, now: float, max_hold_s: float) -> int:
+        """Release requests held longer than ``max_hold_s`` (their finish was lost)."""
+        stale = [rid for rid, t in self._since.items() if now - t > max_hold_s]
+        for rid in stale:
+            self.finish(rid, None, now)
+        return len(stale)

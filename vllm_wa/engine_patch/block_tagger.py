@@ -327,7 +327,12 @@ class BlockTagger:
             moved += queue.refile(bs, cid)
         return moved
 
-    def forget(self, request_id: str) -> None:
-        """Drop lookup state of a request that left without being freed."""
-        self._looked_up.pop(request_id, None)
-
+    def forget(self, request_id: str, now: float | None = None) -> None:
+        """A request left without holding blocks (it did not fit, or was aborted
+        while waiting): drop its lookup and tell consumers it is finished."""
+        if self._looked_up.pop(request_id, None) is None:
+            return
+        sink = self.sink
+        if sink is not None:
+            t = self.queue.clock() if now is None else now
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, DEFAULT_CLASS, None, 0))
