@@ -3,7 +3,8 @@
 Each candidate runs in its own small pool fed with a hash-sampled slice of
 every prompt (spatial sampling: the same fraction of block hashes, in a pool
 scaled by the same fraction), using the very same queue and tagger classes as
-the engine.  Their hit rates over a sliding window tell the tuner which
+the engine.  Hits follow the prefix rule on the sampled subsequence: once a
+sampled block misses, the rest of the prompt misses too.  Their hit rates over a sliding window tell the tuner which
 configuration to run in the real cache.
 """
 
@@ -73,7 +74,9 @@ class ShadowCache:
         self.tagger: BlockTagger | None = None
         self.queue: Any = None
         self.registry = ClassRegistry(max_classes=max_classes)
-        self.pool = SimBlockPool(max(2, num_blocks), self._make_queue, prefix_hits=False)
+        # Prefix hits over the sampled blocks: a candidate that keeps deep
+        # blocks but loses their prefix gains nothing, as in the real cache.
+        self.pool = SimBlockPool(max(2, num_blocks), self._make_queue, last_block_hits=True)
         self.window = HitWindow(window_s)
         self.hits = 0
         self.lookups = 0

@@ -35,11 +35,14 @@ class SimBlockPool:
         num_blocks: pool size including the null block.
         make_queue: builds the free queue from the block list.
         prefix_hits: True for vLLM's rule (a hit is the longest cached
-            prefix); False counts every cached block (for miniature caches
-            fed with a hash-sampled subset of each prompt).
+            prefix); False counts every cached block.
+        last_block_hits: whether a prompt's last block can hit (vLLM always
+            recomputes it; a hash-sampled prompt's last sample is not special).
     """
 
-    def __init__(self, num_blocks: int, make_queue: Any, *, prefix_hits: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, make_queue: Any, *, prefix_hits: bool = True, last_block_hits: bool = False
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("a pool needs at least 2 blocks (one is the null block)")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -53,6 +56,7 @@ class SimBlockPool:
         self._dups: dict[Any, list[KVCacheBlock]] = {}
         self.held: dict[str, list[KVCacheBlock]] = {}
         self.prefix_hits = prefix_hits
+        self.last_block_hits = last_block_hits
         self.hooks: PoolHooks | None = None
 
     @property
@@ -63,7 +67,7 @@ class SimBlockPool:
         """Cached blocks of a prompt: its longest cached prefix, minus the last block."""
         cached = self.cached
         out: list[KVCacheBlock] = []
-        limit = len(hashes) - 1 if self.prefix_hits else len(hashes)
+        limit = len(hashes) if self.last_block_hits else len(hashes) - 1
         if self.prefix_hits:
             for i in range(limit):
                 b = cached.get(hashes[i])
