@@ -146,9 +146,11 @@ class BlockTagger:
         if now is None:
             now = self.queue.clock()
         self._record_free_hits(hit_blocks, now)
+        # Hit accounting is per workload tag (the outcome is not known yet).
+        tag_id = self.queue.registry.id_of(req.tag)
+        self.hit_blocks_by_class[tag_id] += len(hit_blocks)
+        self.queried_blocks_by_class[tag_id] += len(block_hashes)
         cls = self.queue.registry.id_of(self.class_key(req, 0, 0))
-        self.hit_blocks_by_class[cls] += len(hit_blocks)
-        self.queried_blocks_by_class[cls] += len(block_hashes)
         sink = self.sink
         if sink is None:
             return

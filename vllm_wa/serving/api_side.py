@@ -95,8 +95,8 @@ def make_router(settings: ServingSettings) -> APIRouter:
 CLASS_GAUGES = {
     "reuse_rate": ("vllm_wa_reuse_rate", "Fitted exponential reuse rate of the class (1/s)."),
     "reuse_probability": ("vllm_wa_reuse_probability", "Fitted probability that a freed block of the class is reused."),
-    "hit_tokens": ("vllm_wa_prefix_cache_hit_tokens_total", "Prompt tokens that hit the prefix cache, by the request's class."),
-    "queried_tokens": ("vllm_wa_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache, by the request's class."),
+    "hit_tokens": ("vllm_wa_prefix_cache_hit_tokens_total", "Prompt tokens that hit the prefix cache, by the request's workload tag."),
+    "queried_tokens": ("vllm_wa_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache, by the request's workload tag."),
     "evictions": ("vllm_wa_evicted_blocks_total", "Cached blocks of the class evicted from the free queue."),
     "reuses": ("vllm_wa_reused_blocks_total", "Free blocks of the class taken back by a prefix hit."),
     "freed": ("vllm_wa_freed_blocks_total", "Blocks freed into the class."),

@@ -1,0 +1,173 @@
+"""Serving pieces that the CPU end-to-end test cannot trigger (a random model calls no tools)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from conftest import finish, make_manager, make_request, run_prefill
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.controller import start_online
+from vllm_wa.engine_patch.install import install_wa_queue
+from vllm_wa.params import ParamsError
+from vllm_wa.serving import api_side, engine_side
+from vllm_wa.serving.engine_side import EngineWA, external_request_id, parse_pin_request
+from vllm_wa.serving.settings import ServingSettings
+
+
+def test_external_request_ids():
+    assert external_request_id("chatcmpl-abc123-1a2b3c4d") == "chatcmpl-abc123"
+    assert external_request_id("0_chatcmpl-abc123-1a2b3c4d") == "chatcmpl-abc123"
+    assert external_request_id("cmpl-xyz-0-deadbeef") == "cmpl-xyz-0"
+    assert external_request_id("plain") == "plain"
+
+
+def test_chat_response_with_tool_calls_is_reported():
+    from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponse,
+        ChatCompletionResponseChoice,
+        ChatMessage,
+    )
+
+    msg = ChatMessage(role="assistant", content=None,
+                      tool_calls=[ToolCall(function=FunctionCall(name="ls", arguments="{}"))])
+    resp = ChatCompletionResponse(
+        id="chatcmpl-1", model="m", choices=[ChatCompletionResponseChoice(index=0, message=msg, finish_reason="tool_calls")],
+        usage={"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    )
+    assert api_side._chat_outcomes(resp) == ("chatcmpl-1", True)
+    plain = resp.model_copy(update={"choices": [ChatCompletionResponseChoice(
+        index=0, message=ChatMessage(role="assistant", content="hi"), finish_reason="stop")]})
+    assert api_side._chat_outcomes(plain) == ("chatcmpl-1", False)
+
+
+def test_streamed_tool_call_is_reported_after_the_stream():
+    reporter = api_side.OutcomeReporter(engine_client=None)
+
+    async def sse():
+        yield 'data: {"id": "chatcmpl-9", "choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+        yield 'data: {"id": "chatcmpl-9", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}\n\n'
+        yield "data: [DONE]\n\n"
+
+    async def consume():
+        return [c async for c in api_side._watch_stream(sse(), reporter)]
+
+    chunks = asyncio.run(consume())
+    assert len(chunks) == 3
+    assert reporter._pending == [["chatcmpl-9", "tool"]]
+
+
+def test_chat_wrapper_reports_and_passes_results_through(monkeypatch):
+    reporter = api_side.OutcomeReporter(engine_client=None)
+    monkeypatch.setattr(api_side, "_REPORTER", reporter)
+    result = SimpleNamespace(id="chatcmpl-5", choices=[SimpleNamespace(message=SimpleNamespace(tool_calls=[1]))])
+
+    async def orig(self, request, raw_request=None):
+        return result
+
+    wrapped = api_side._wrap_chat(orig)
+    assert asyncio.run(wrapped(None, None)) is result
+    assert reporter._pending == [["chatcmpl-5", "tool"]]
+
+
+def test_outcome_reports_reclassify_engine_blocks():
+    from vllm_wa.controller.features import FeatureKey
+
+    m = make_manager(20)
+    handles = []
+
+    def install(sink, registry, key):
+        h = install_wa_queue(m.block_pool, None, sink=sink, registry=registry, class_key=FeatureKey(("tag", "outcome")))
+        h.tagger.request_key = external_request_id
+        handles.append(h)
+        return h.queue, h.tagger
+
+    controller = start_online(ControllerConfig(), 20, install)
+    h = handles[0]
+    ewa = EngineWA(h, controller, scheduler=SimpleNamespace(shutdown=lambda wait: None),
+                   settings=ServingSettings(online=True), engine_index=0, block_size=16)
+    core = SimpleNamespace(scheduler=SimpleNamespace(_vllm_wa_engine=ewa))
+    r = make_request("chatcmpl-42-0a1b2c3d", list(range(16 * 3 + 2)), tag="agent")
+    run_prefill(m, r)
+    finish(m, r, RequestStatus.FINISHED_STOPPED)
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 3}
+    moved = engine_side.wa_report_outcomes(core, [["chatcmpl-42", "tool"], ["x", "bogus"], "junk"])
+    assert moved == 3
+    assert h.queue.free_blocks_by_class() == {"agent.o:tool": 3}
+    assert ewa.invalid_reports == 2
+    state = engine_side.wa_get_state(core)
+    assert state["enabled"] and state["outcomes_reclassified"] == 1
+    metrics = engine_side.wa_get_metrics(core)
+    assert metrics["classes"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
+    assert metrics["classes"]["agent.o:tool"]["freed"] == 3
+    json.dumps(state), json.dumps(metrics)  # plain data for the utility channel
+
+
+@pytest.mark.parametrize(
+    "body, msg",
+    [
+        ({"params": {"a": {"x": 1}, "p": {"x": 1.5}}}, r"\[0.0, 1.0\]"),
+        ({"params": {"a": {"x": 1}, "p": {"x": 0.5}}, "features": ["color"]}, "features"),
+        ({"params": {}, "mode": "auto"}, "no params"),
+        ({"other": 1}, "unknown field"),
+        ({}, "to pin"),
+        ("text", "JSON object"),
+    ],
+)
+def test_pin_request_validation(body, msg):
+    with pytest.raises((ParamsError, ValueError), match=msg):
+        parse_pin_request(body)
+
+
+def test_pin_request_parses():
+    params, feats = parse_pin_request({"params": {"a": {"x": 0.1}, "p": {"x": 0.5}}, "features": ["tag", "outcome"]})
+    assert params.model_for("x").p == 0.5 and feats == ("tag", "outcome")
+    assert parse_pin_request({"mode": "auto"}) == (None, None)
+
+
+def test_plugin_without_flag_patches_no_engine_code():
+    code = (
+        "from vllm_wa.serving.plugin import register; register();"
+        "from vllm.v1.core.sched.scheduler import Scheduler;"
+        "from vllm.v1.engine.core import EngineCore;"
+        "import vllm.entrypoints.launchers.app as app;"
+        "assert not hasattr(Scheduler.__init__, '__vllm_wa_wrapped__');"
+        "assert not hasattr(EngineCore, 'wa_get_state');"
+        "assert not hasattr(app.attach_endpoint_plugins, '__vllm_wa_wrapped__');"
+        "print('clean')"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_WA_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "clean" in out.stdout
+
+
+def test_unsupported_vllm_refuses_to_start(monkeypatch):
+    import vllm
+
+    from vllm_wa.serving import plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    args = SimpleNamespace(wa_online=True, wa_config=None, wa_params=None, wa_allow_pin=False)
+    with pytest.raises(SystemExit, match="refusing to start.*0.31.2"):
+        plugin.enable_online(args)
+
+
+def test_bad_config_or_params_refuse_to_start(tmp_path):
+    from vllm_wa.serving import plugin
+
+    bad_cfg = tmp_path / "c.toml"
+    bad_cfg.write_text("[controller]\nnope = 1\n")
+    with pytest.raises(SystemExit, match="controller.nope"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(bad_cfg), wa_params=None))
+    bad_params = tmp_path / "p.json"
+    bad_params.write_text('{"a": {"x": 1}, "p": {"x": 9}}')
+    with pytest.raises(SystemExit, match="p.json"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=None, wa_params=str(bad_params)))
