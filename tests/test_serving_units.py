@@ -171,3 +171,19 @@ def test_bad_config_or_params_refuse_to_start(tmp_path):
     bad_params.write_text('{"a": {"x": 1}, "p": {"x": 9}}')
     with pytest.raises(SystemExit, match="p.json"):
         plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=None, wa_params=str(bad_params)))
+
+
+def test_enable_online_keeps_the_operators_metrics_interval(monkeypatch):
+    from vllm_wa.serving import plugin
+    from vllm_wa.serving.settings import ENV_METRICS_INTERVAL, ENV_ONLINE
+
+    installed = []
+    monkeypatch.setattr(api_side, "install", installed.append)
+    monkeypatch.setenv(ENV_METRICS_INTERVAL, "1.5")
+    monkeypatch.setenv(ENV_ONLINE, "0")
+    settings = plugin.enable_online(
+        SimpleNamespace(wa_online=True, wa_config=None, wa_params=None, wa_allow_pin=True)
+    )
+    assert settings.metrics_interval_s == 1.5 and settings.allow_pin
+    assert installed == [settings]
+    assert ServingSettings.from_env() == settings

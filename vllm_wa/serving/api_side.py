@@ -121,6 +121,7 @@ class WAMetrics:
     def __init__(self) -> None:
         from prometheus_client import Gauge
 
+        self.poll_failures = 0
         self.per_class = {
             k: Gauge(name, doc, ["engine", "class"], multiprocess_mode="mostrecent")
             for k, (name, doc) in CLASS_GAUGES.items()
@@ -159,7 +160,9 @@ async def _poll_metrics(engine_client: Any, interval: float) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - metrics must not take the server down
-            logger.debug("vllm-wa metrics poll failed: %s", e)
+            _METRICS.poll_failures += 1
+            log = logger.warning if _METRICS.poll_failures == 1 else logger.debug
+            log("vllm-wa metrics poll failed (%d so far): %r", _METRICS.poll_failures, e)
         await asyncio.sleep(interval)
 
 

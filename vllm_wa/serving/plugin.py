@@ -106,6 +106,7 @@ def enable_online(args: Any) -> ServingSettings:
         config_path=getattr(args, "wa_config", None),
         params_path=getattr(args, "wa_params", None),
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
+        metrics_interval_s=ServingSettings.from_env().metrics_interval_s,
     )
     settings.export()
     from vllm_wa.serving import api_side
