@@ -1,11 +1,13 @@
 """Cost of the online controller, and of a parameter swap.
 
 1. CPU share: a synthetic engine event stream of ``--rate`` events per second
-   (sampled block frees, evictions, prompt lookups and finishes, in the
-   proportions of a prefix-caching engine) is fed to ``WAController`` over
-   ``--seconds`` of simulated time, with a refit every ``refit_interval_s``.
-   Reported: controller CPU seconds per second of traffic, as a share of one
-   core.
+   (block frees, evictions, prompt lookups and finishes, in the proportions of
+   a prefix-caching engine) is fed to ``WAController`` over ``--seconds`` of
+   simulated time, with a refit every ``refit_interval_s``.  Twice: with every
+   event reaching the controller (worst case), and with the default hash
+   sampling for a ``--cache-blocks`` cache, where the engine emits block events
+   only for sampled hashes.  Reported: controller CPU seconds per second of
+   traffic, as a share of one core.
 2. Swap latency: ``queue.set_params`` of a freshly fitted parameter object.
 3. The queue is never locked: engine-thread queue operations are timed with
    and without the controller refitting on a background thread.
@@ -23,7 +25,7 @@ import time
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_wa.controller.config import ControllerConfig
-from vllm_wa.controller.controller import WAController
+from vllm_wa.controller.controller import WAController, sample_rate_for
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
@@ -59,33 +61,55 @@ def event_stream(rate: float, seconds: float, seed: int = 0):
         yield t, FinishedEvent(EventKind.FINISHED, t, rid, tag, "tool" if tag == "tool" else "stop", 8)
 
 
-def bench_cpu(rate: float, seconds: float) -> dict[str, float]:
+def bench_cpu(rate: float, seconds: float, cache_blocks: int | None = None) -> dict[str, float]:
+    """Controller CPU per second of engine traffic at ``rate`` engine events/s.
+
+    ``cache_blocks=None``: every event reaches the controller (the worst case,
+    as if the whole cache were sampled).  Otherwise the sink samples block
+    hashes as in production (so the miniature caches hold about
+    ``shadow_blocks``), and the engine emits block events only for sampled
+    hashes; ``rate`` still counts every event the engine would produce.
+    """
     cfg = ControllerConfig()
-    sink = EventSink(capacity=1 << 22, sample_rate=1.0)
+    rate_s = 1.0 if cache_blocks is None else sample_rate_for(cache_blocks, cfg.shadow_blocks)
+    sink = EventSink(capacity=1 << 22, sample_rate=rate_s)
     clock = [0.0]
-    c = WAController(cfg, 4096, lambda p, k: None, sink, clock=lambda: clock[0])
+    c = WAController(cfg, cache_blocks or 4096, lambda p, k: None, sink, clock=lambda: clock[0])
+
+    def engine_side(stream):
+        # What the engine hooks do before emitting: keep sampled hashes only.
+        if sink.samples_all:
+            yield from stream
+            return
+        keep = sink.is_sampled
+        for t, ev in stream:
+            if isinstance(ev, LookupEvent):
+                yield t, ev._replace(hashes=tuple(ph for ph in ev.hashes if keep(ph[1])))
+            elif isinstance(ev, FinishedEvent) or keep(ev.block_hash):
+                yield t, ev
+
     next_refit = cfg.refit_interval_s
-    n = 0
     cpu0 = time.process_time()
-    for t, ev in event_stream(rate, seconds):
+    for t, ev in engine_side(event_stream(rate, seconds)):
         if t >= next_refit:
             clock[0] = next_refit
             c.refit()
             next_refit += cfg.refit_interval_s
         sink.emit(ev)
-        n += 1
     clock[0] = seconds
     c.refit()
     cpu = time.process_time() - cpu0
-    # The generator's own cost is not the controller's: measure it alone.
+    # The generator's (and the engine-side filter's) own cost is not the
+    # controller's: measure it alone.
     g0 = time.process_time()
-    for t, ev in event_stream(rate, seconds):
+    for t, ev in engine_side(event_stream(rate, seconds)):
         sink.emit(ev)
     sink.drain()
     gen = time.process_time() - g0
     ctl = max(0.0, cpu - gen)
-    return {"events": n, "seconds": seconds, "controller_cpu_s": ctl, "core_share": ctl / seconds,
-            "errors": c.errors, "refits": c.refits}
+    return {"events": int(rate * seconds), "seconds": seconds, "controller_cpu_s": ctl,
+            "core_share": ctl / seconds, "errors": c.errors, "refits": c.refits,
+            "sample_rate": rate_s, "events_processed": c.events_processed}
 
 
 def bench_swap(repeats: int = 2000) -> dict[str, float]:
@@ -165,11 +189,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=5000.0)
     ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--cache-blocks", type=int, default=65536,
+                    help="cache size for the production-sampling line")
     args = ap.parse_args()
-    cpu = bench_cpu(args.rate, args.seconds)
-    print(f"controller at {args.rate:.0f} events/s over {args.seconds:.0f}s of traffic: "
-          f"{cpu['controller_cpu_s']:.2f} CPU s = {100 * cpu['core_share']:.2f}% of one core "
-          f"({cpu['refits']} refits, {cpu['errors']} errors)")
+    for cache in (None, args.cache_blocks):
+        cpu = bench_cpu(args.rate, args.seconds, cache)
+        how = ("every event sampled (worst case)" if cache is None else
+               f"default sampling for a {cache}-block cache (rate {cpu['sample_rate']:.4f})")
+        print(f"controller at {args.rate:.0f} engine events/s over {args.seconds:.0f}s, {how}: "
+              f"{cpu['events_processed']} events reached it; "
+              f"{cpu['controller_cpu_s']:.2f} CPU s = {100 * cpu['core_share']:.2f}% of one core "
+              f"({cpu['refits']} refits, {cpu['errors']} errors)")
     sw = bench_swap()
     print(f"parameter swap (queue.set_params): median {sw['median_us']:.1f} us, p99 {sw['p99_us']:.1f} us, "
           f"max {sw['max_us']:.1f} us")
