@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from hypothesis import settings
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
+
+from vllm_wa.replay.engines import model_free_kv_cache_manager
 
 
 # CI runs a fixed set of examples (a red run must be reproducible); set
@@ -46,28 +46,8 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def make_kv_cache_config(block_size: int, num_blocks: int) -> KVCacheConfig:
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
-            )
-        ],
-    )
-
-
 def make_manager(num_blocks: int, block_size: int = 16, **kwargs) -> KVCacheManager:
-    kwargs.setdefault("enable_caching", True)
-    return KVCacheManager(
-        make_kv_cache_config(block_size, num_blocks),
-        max_model_len=8192,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        **kwargs,
-    )
+    return model_free_kv_cache_manager(num_blocks, block_size, max_model_len=8192, **kwargs)
 
 
 def make_request(

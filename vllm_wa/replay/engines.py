@@ -23,6 +23,36 @@ def _outcome(req: TraceRequest) -> str:
     return req.outcome or "stop"
 
 
+def model_free_kv_cache_manager(num_blocks: int, block_size: int, max_model_len: int, **kwargs: Any) -> Any:
+    """vLLM's real ``KVCacheManager`` over one attention layer and no tensors.
+
+    Block bookkeeping needs no model and no device, as in vLLM's own
+    ``tests/v1/core``; prefix caching is on unless ``enable_caching=False``.
+    """
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
+            )
+        ],
+    )
+    kwargs.setdefault("enable_caching", True)
+    return KVCacheManager(
+        config,
+        max_model_len=max_model_len,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        **kwargs,
+    )
+
+
 class FastEngine:
     """Block-level driver over :class:`SimBlockPool` (for sweeps)."""
 
@@ -78,11 +108,8 @@ class VLLMEngine:
         clock: ReplayClock,
         tokens_per_block: int = 4,
     ) -> None:
-        import torch
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
         init_none_hash(sha256)
         k = tokens_per_block
@@ -91,23 +118,7 @@ class VLLMEngine:
         self.clock = clock
         self._hasher = get_request_block_hasher(k, sha256)
         max_len = max(len(r.hash_ids) for r in trace.requests) * k + 1
-        config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["layer"],
-                    FullAttentionSpec(block_size=k, num_kv_heads=1, head_size=1, dtype=torch.float32),
-                )
-            ],
-        )
-        self.manager = KVCacheManager(
-            config,
-            max_model_len=max_len,
-            scheduler_block_size=k,
-            hash_block_size=k,
-            enable_caching=True,
-        )
+        self.manager = model_free_kv_cache_manager(num_blocks, k, max_len)
         policy.install_vllm(self.manager.block_pool, clock)
         self._live: dict[str, Any] = {}
 
