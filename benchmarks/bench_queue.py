@@ -166,6 +166,19 @@ def run_pool(kind: str, n: int, seed: int) -> dict[str, float]:
     return {"get_new_blocks": t_get, "free_blocks": t_free, "touch": t_touch}
 
 
+def best_of(bench, n: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Per queue kind, the fastest ns-per-block of each operation over ``rounds``."""
+    best: dict[str, dict[str, float]] = {}
+    for r in range(rounds):
+        # Interleave the two queues so drift in machine load hits both.
+        for kind in ("vllm", "wa"):
+            res = bench(kind, n, seed=r)
+            cur = best.setdefault(kind, res)
+            for op, v in res.items():
+                cur[op] = min(cur[op], v)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000")
@@ -175,27 +188,14 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for n in sizes:
-        best: dict[str, dict[str, float]] = {}
-        for r in range(args.rounds):
-            # Interleave the two queues so drift in machine load hits both.
-            for kind in ("vllm", "wa"):
-                res = run(kind, n, seed=r)
-                cur = best.setdefault(kind, res)
-                for op, v in res.items():
-                    cur[op] = min(cur[op], v)
-        for op in ("popleft_n", "popleft", "append_n", "remove"):
-            v, w = best["vllm"][op], best["wa"][op]
-            rows.append({"blocks": n, "op": op, "vllm_ns": v, "wa_ns": w, "ratio": w / v})
-        best = {}
-        for r in range(args.rounds):
-            for kind in ("vllm", "wa"):
-                res = run_pool(kind, n, seed=r)
-                cur = best.setdefault(kind, res)
-                for op, v in res.items():
-                    cur[op] = min(cur[op], v)
-        for op in ("get_new_blocks", "free_blocks", "touch"):
-            v, w = best["vllm"][op], best["wa"][op]
-            rows.append({"blocks": n, "op": "pool." + op, "vllm_ns": v, "wa_ns": w, "ratio": w / v})
+        for bench, ops, prefix in (
+            (run, ("popleft_n", "popleft", "append_n", "remove"), ""),
+            (run_pool, ("get_new_blocks", "free_blocks", "touch"), "pool."),
+        ):
+            best = best_of(bench, n, args.rounds)
+            for op in ops:
+                v, w = best["vllm"][op], best["wa"][op]
+                rows.append({"blocks": n, "op": prefix + op, "vllm_ns": v, "wa_ns": w, "ratio": w / v})
     print(f"WA queue ({NUM_CLASSES} classes, PR scores) vs vLLM FreeKVCacheBlockQueue, ns per block, best of {args.rounds}")
     print("(queue operations alone, then the same work through vLLM's BlockPool: pool.*)")
     print(f"{'blocks':>9} {'operation':<20} {'vLLM':>8} {'WA':>8} {'WA/vLLM':>8}")
