@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from vllm_wa.engine_patch import WorkloadAwareFreeQueue
 from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
 NUM_CLASSES = 8
@@ -39,17 +40,9 @@ def wa_params(registry: ClassRegistry) -> WAParams:
     return WAParams(models=models, horizon=5.0, mode="pr")
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def build(kind: str, n: int):
     blocks = [KVCacheBlock(i) for i in range(n)]
-    clock = FakeClock()
+    clock = SettableClock()
     if kind == "vllm":
         q = FreeKVCacheBlockQueue(blocks)
     else:

@@ -13,6 +13,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_wa.replay.engines import model_free_kv_cache_manager
+from vllm_wa.sim.clock import SettableClock
 
 
 # CI runs a fixed set of examples (a red run must be reproducible); set
@@ -22,28 +23,14 @@ settings.register_profile("explore", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-class FakeClock:
-    """A settable clock: replays and tests drive the queue with their own time."""
-
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> float:
-        self.t += dt
-        return self.t
-
-
 @pytest.fixture(autouse=True)
 def _init_none_hash():
     init_none_hash(sha256)
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> SettableClock:
+    return SettableClock()
 
 
 def make_manager(num_blocks: int, block_size: int = 16, **kwargs) -> KVCacheManager:

@@ -365,8 +365,8 @@ def test_shadow_caches_release_requests_whose_finish_was_lost():
     sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, window_s=60, max_classes=8)
     for i in range(3):
         sc.lookup(f"r{i}", "t", [("h", i, j) for j in range(6)], float(i))
-    assert sc.pool.num_free_blocks == 1  # 19 usable, 18 pinned
+    assert sc.cache.pool.num_free_blocks == 1  # 19 usable, 18 pinned
     sc.lookup("r9", "t", [("h", 9, j) for j in range(6)], 5.0)
     assert sc.overflow == 1
     assert sc.expire(100.0, max_hold_s=50.0) == 3
-    assert sc.pool.num_free_blocks == 19
+    assert sc.cache.pool.num_free_blocks == 19

@@ -10,7 +10,7 @@ import pytest
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.request import RequestStatus
 
-from conftest import FakeClock, finish, make_manager, make_request, run_prefill
+from conftest import finish, make_manager, make_request, run_prefill
 from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
 from vllm_wa.engine_patch.install import (
@@ -412,10 +412,6 @@ def test_unpatched_manager_unaffected_by_installed_hooks(clock):
     finish(plain, r)
     assert type(plain.block_pool.free_block_queue) is FreeKVCacheBlockQueue
     assert get_wa_handle(plain.block_pool) is None
-
-
-def test_fake_clock_type():
-    assert isinstance(FakeClock()(), float)
 
 
 def test_request_that_does_not_fit_is_reported_finished(clock):

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from conftest import FakeClock
 from vllm_wa.engine_patch import WorkloadAwareFreeQueue
 from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
 
@@ -31,7 +31,7 @@ class TwinQueues:
 
     def __init__(self, n: int, params: WAParams | None, n_classes: int, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.clock = FakeClock()
+        self.clock = SettableClock()
         self.reg, self.cids = _registry(n_classes)
         self.vb = [KVCacheBlock(i) for i in range(n)]
         self.wb = [KVCacheBlock(i) for i in range(n)]
@@ -167,7 +167,7 @@ def test_matches_brute_force_model(data, n_classes, mode, horizon):
     models = {f"c{i}": data.draw(st.sampled_from(MODELS)) for i in range(n_classes)}
     params = WAParams(models=models, horizon=horizon, mode=mode)
     n = 24
-    clock = FakeClock()
+    clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(n)]
     # Exact scoring at every eviction: no stale selection.
     q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg, score_staleness=0.0)
@@ -210,7 +210,7 @@ def test_older_block_of_a_class_never_outranks_newer():
         models={"c0": ReuseModel((0.5, 0.3), (1.0, 0.001)), "c1": ReuseModel.exponential(0.9, 0.1)},
         mode="posterior",
     )
-    clock = FakeClock()
+    clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(40)]
     q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg)
     got = q.popleft_n(40)
@@ -233,7 +233,7 @@ def test_class_with_faster_reuse_is_kept_when_idle_is_short():
         models={"c0": ReuseModel.exponential(0.9, 1.0 / 5), "c1": ReuseModel.exponential(0.9, 1.0 / 600)},
         horizon=5.0,
     )
-    clock = FakeClock(100.0)
+    clock = SettableClock(100.0)
     blocks = [KVCacheBlock(i) for i in range(8)]
     q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg)
     got = q.popleft_n(8)
@@ -260,7 +260,7 @@ def test_set_params_from_another_thread_keeps_queue_consistent():
         WAParams(models={f"c{i}": MODELS[(i + k) % 4] for i in range(4)}, mode=m, version=k)
         for k, m in enumerate(["pr", "posterior", "pr", "posterior"])
     ] + [WAParams.lru()]
-    clock = FakeClock()
+    clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(256)]
     q = WorkloadAwareFreeQueue(blocks, variants[0], clock=clock, registry=reg)
     stop = threading.Event()
@@ -301,7 +301,7 @@ def test_set_params_from_another_thread_keeps_queue_consistent():
 
 def test_refile_moves_blocks_and_keeps_stamp_order():
     reg, (a, b) = _registry(2)
-    clock = FakeClock()
+    clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(10)]
     q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
     got = q.popleft_n(10)
@@ -323,7 +323,7 @@ def test_refile_moves_blocks_and_keeps_stamp_order():
 
 
 def test_iter_blocks_after_follows_eviction_order():
-    clock = FakeClock()
+    clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = WorkloadAwareFreeQueue(blocks, None, clock=clock)
     order = q.get_all_free_blocks()
@@ -334,14 +334,14 @@ def test_iter_blocks_after_follows_eviction_order():
 
 
 def test_popleft_on_empty_raises():
-    q = WorkloadAwareFreeQueue([KVCacheBlock(0)], None, clock=FakeClock())
+    q = WorkloadAwareFreeQueue([KVCacheBlock(0)], None, clock=SettableClock())
     q.popleft()
     with pytest.raises(ValueError):
         q.popleft()
 
 
 def test_remove_of_non_free_block_raises():
-    q = WorkloadAwareFreeQueue([KVCacheBlock(0), KVCacheBlock(1)], None, clock=FakeClock())
+    q = WorkloadAwareFreeQueue([KVCacheBlock(0), KVCacheBlock(1)], None, clock=SettableClock())
     b = q.popleft()
     with pytest.raises(RuntimeError):
         q.remove(b)
@@ -349,7 +349,7 @@ def test_remove_of_non_free_block_raises():
 
 def test_counters_track_free_and_evicted_per_class():
     reg, (a, b) = _registry(2)
-    clock = FakeClock()
+    clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
     got = q.popleft_n(6)

@@ -9,6 +9,7 @@ import sys
 import time
 from importlib import resources
 
+from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep
 from vllm_wa.replay.trace_cache import load_trace_cached
@@ -48,15 +49,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         tag_swap = (parts[0], parts[1])
     controller_config = None
     if "wa-online" in policies:
-        from vllm_wa.controller.config import ControllerConfig
-
         controller_config = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
     cfg = ReplayConfig(
         engine=args.engine,
         profile_fraction=args.profile_fraction,
         window_seconds=args.window_seconds,
         tag_swap=tag_swap,
-        seed=args.seed,
         controller_config=controller_config,
     )
     all_results = []
@@ -155,10 +153,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out_dir = args.out_dir
     os.makedirs(out_dir, exist_ok=True)
     policies = "lru,wa-offline,wa-online,opt,infinite"
-    try:
-        import vllm_wa.controller.replay_policy  # noqa: F401
-    except ImportError:
-        policies = "lru,wa-offline,opt,infinite"
     ns = argparse.Namespace(
         traces=[sample_path("agentic-coding-sample.tar.xz")],
         policies=policies,

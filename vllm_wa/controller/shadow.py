@@ -21,18 +21,9 @@ from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.block_tagger import BlockTagger, RequestTags
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.params import WAParams
-from vllm_wa.replay.sim_pool import SimBlockPool
+from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.prefix_cache import SimPrefixCache
 from vllm_wa.workload_classes import ClassRegistry
-
-
-class _Clock:
-    __slots__ = ("t",)
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass
@@ -70,13 +61,14 @@ class ShadowCache:
         self.spec = spec
         self.name = spec.name
         self.key = None if spec.lru else FeatureKey(tuple(spec.features))
-        self.clock = _Clock()
+        self.clock = SettableClock()
         self.tagger: BlockTagger | None = None
         self.queue: Any = None
         self.registry = ClassRegistry(max_classes=max_classes)
         # Prefix hits over the sampled blocks: a candidate that keeps deep
         # blocks but loses their prefix gains nothing, as in the real cache.
-        self.pool = SimBlockPool(max(2, num_blocks), self._make_queue, last_block_hits=True)
+        self.cache = SimPrefixCache(max(2, num_blocks), self._make_queue, last_block_hits=True)
+        self.cache.hooks = self.tagger
         self.window = HitWindow(window_s)
         self.hits = 0
         self.lookups = 0
@@ -99,17 +91,12 @@ class ShadowCache:
     def lookup(self, request_id: str, tag: str, hashes: list[Any], t: float) -> None:
         """A prompt (its sampled block hashes) arrives."""
         self.clock.t = t
-        pool = self.pool
-        if request_id in pool.held:  # a repeated lookup of a waiting request
+        cache = self.cache
+        if cache.holds(request_id):  # a repeated lookup of a waiting request
             return
-        hits = pool.lookup(hashes)
-        n_hit = len(hits)
-        if self.tagger is not None:
-            self.tagger.on_lookup(RequestTags(request_id, tag), hits, hashes, t)
-        if not pool.allocate(request_id, hashes, hits):
+        n_hit = cache.admit(request_id, hashes, t, RequestTags(request_id, tag))
+        if n_hit < 0:
             self.overflow += 1
-            if self.tagger is not None:
-                self.tagger.forget(request_id)
             n_hit = 0
         else:
             self._tags[request_id] = tag
@@ -124,9 +111,7 @@ class ShadowCache:
         if tag is None:
             return
         del self._since[request_id]
-        if self.tagger is not None:
-            self.tagger.on_free(RequestTags(request_id, tag, outcome), self.pool.held[request_id], t)
-        self.pool.release(request_id)
+        self.cache.release(request_id, t, RequestTags(request_id, tag, outcome))
 
     def expire(self, now: float, max_hold_s: float) -> int:
         """Release requests held longer than ``max_hold_s`` (their finish was lost)."""

@@ -16,7 +16,6 @@ bins, and the models are fitted by EM on the bins:
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -184,8 +183,3 @@ def naive_exponential(data: SurvivalData, freed: float) -> tuple[float, float]:
         return 0.0, 0.0
     return min(1.0, n_e / freed), n_e / max(float((data.events * _MIDS).sum()), 1e-9)
 
-
-def model_from_fit(p: float, a: float) -> ReuseModel | None:
-    if not (math.isfinite(p) and math.isfinite(a)) or a <= 0 or p <= 0:
-        return None
-    return ReuseModel.exponential(min(1.0, p), a)

@@ -49,7 +49,6 @@ class WAHandle:
     queue: WorkloadAwareFreeQueue
     tagger: BlockTagger
     sink: EventSink | None
-    original_queue: Any
     hook_errors: int = 0
     _logged_error: bool = field(default=False, repr=False)
 
@@ -140,8 +139,7 @@ def install_wa_queue(
         medium = getattr(block_pool, "medium", MEDIUM_GPU)
         if medium != MEDIUM_GPU:
             raise ValueError(f"vllm-wa only replaces the {MEDIUM_GPU} pool's queue, not {medium!r}")
-        old = block_pool.free_block_queue
-        free_in_order = old.get_all_free_blocks()
+        free_in_order = block_pool.free_block_queue.get_all_free_blocks()
         queue = WorkloadAwareFreeQueue(
             free_in_order,
             params,
@@ -151,7 +149,7 @@ def install_wa_queue(
             num_block_ids=len(block_pool.blocks),
         )
         tagger = BlockTagger(queue, block_pool.blocks, sink=sink, class_key=class_key)
-        handle = WAHandle(block_pool, queue, tagger, sink, old)
+        handle = WAHandle(block_pool, queue, tagger, sink)
         _install_manager_hooks()
         block_pool.free_block_queue = queue
         setattr(block_pool, HANDLE_ATTR, handle)

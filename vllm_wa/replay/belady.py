@@ -72,7 +72,6 @@ class BeladyFreeQueue:
     def __init__(self, blocks: list[KVCacheBlock], num_block_ids: int | None = None) -> None:
         n = num_block_ids if num_block_ids is not None else max((b.block_id for b in blocks), default=-1) + 1
         self.next_use = [NEVER] * n
-        self.depth = [0] * n
         self._version = [0] * n
         self._is_free = bytearray(n)
         self._buckets: dict[int, deque[tuple[int, int]]] = {}
@@ -279,7 +278,6 @@ class BeladyOracle:
                 nxt = self._next_uses(index, len(hashes))
             for bid in bs:
                 q.next_use[bid] = nxt[j]
-                q.depth[bid] = j
                 q.rekey(self._block[bid])
 
     def on_admitted(
@@ -292,7 +290,7 @@ class BeladyOracle:
         """
         nxt = self._next_uses(index, len(blocks))
         q = self.queue
-        next_use, depth, parent, children = q.next_use, q.depth, q.parent, q.children
+        next_use, parent, children = q.next_use, q.parent, q.children
         for j in range(n_hit):
             next_use[blocks[j].block_id] = nxt[j]
         trace_hash, blocks_of, block_of = self.trace_hash, self.blocks_of, self._block
@@ -317,7 +315,6 @@ class BeladyOracle:
                     s.add(bid)
                 block_of[bid] = b
             next_use[bid] = nxt[j]
-            depth[bid] = j
             if prev is None:
                 parent[bid] = None
             else:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_wa.replay.policies import ReplayClock, ReplayPolicy
-from vllm_wa.replay.sim_pool import SimBlockPool
+from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.trace import Trace, TraceRequest
+from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.prefix_cache import SimPrefixCache
 
 ENGINES = ("fast", "vllm")
 
@@ -54,42 +55,25 @@ def model_free_kv_cache_manager(num_blocks: int, block_size: int, max_model_len:
 
 
 class FastEngine:
-    """Block-level driver over :class:`SimBlockPool` (for sweeps)."""
+    """Block-level driver over :class:`SimPrefixCache` (for sweeps)."""
 
-    def __init__(self, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: ReplayClock) -> None:
+    def __init__(self, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: SettableClock) -> None:
         self.policy = policy
         self.clock = clock
-        self.pool = SimBlockPool(num_blocks, policy.queue_factory(clock))
+        self.cache = SimPrefixCache(num_blocks, policy.queue_factory(clock))
+        self.cache.hooks = policy.tagger
+        self.cache.oracle = policy.oracle
 
     def admit(self, index: int, req: TraceRequest) -> int:
         """Serve a request's prompt; returns its hit blocks, or -1 if it did not fit."""
-        pool, policy = self.pool, self.policy
-        hashes = req.hash_ids
-        hits = pool.lookup(hashes)
-        n_hit = len(hits)
-        oracle = policy.oracle
-        if oracle is not None:
-            oracle.on_arrival(index, hashes, n_hit)
-        tagger = policy.tagger
-        if tagger is not None:
-            tags = tagger.request_tags(req.request_id, req.tag)
-            tagger.on_lookup(tags, hits, hashes, self.clock.t)
-        if not pool.allocate(req.request_id, hashes, hits):
-            if tagger is not None:
-                tagger.forget(req.request_id)
-            if oracle is not None:
-                oracle.on_arrival(index, hashes, 0, n_hit)
-            return -1
-        if oracle is not None:
-            oracle.on_admitted(index, pool.held[req.request_id], hashes, n_hit)
-        return n_hit
+        tagger = self.policy.tagger
+        tags = tagger.request_tags(req.request_id, req.tag) if tagger is not None else None
+        return self.cache.admit(req.request_id, req.hash_ids, self.clock.t, tags, index)
 
     def release(self, req: TraceRequest) -> None:
         tagger = self.policy.tagger
-        if tagger is not None:
-            tags = tagger.request_tags(req.request_id, req.tag, _outcome(req))
-            tagger.on_free(tags, self.pool.held[req.request_id], self.clock.t)
-        self.pool.release(req.request_id)
+        tags = tagger.request_tags(req.request_id, req.tag, _outcome(req)) if tagger is not None else None
+        self.cache.release(req.request_id, self.clock.t, tags)
 
 
 class VLLMEngine:
@@ -105,7 +89,7 @@ class VLLMEngine:
         trace: Trace,
         policy: ReplayPolicy,
         num_blocks: int,
-        clock: ReplayClock,
+        clock: SettableClock,
         tokens_per_block: int = 4,
     ) -> None:
         from vllm.utils.hashing import sha256
@@ -170,7 +154,7 @@ class VLLMEngine:
         self.manager.free(vreq)
 
 
-def make_engine(kind: str, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: ReplayClock) -> Any:
+def make_engine(kind: str, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: SettableClock) -> Any:
     if kind == "fast":
         return FastEngine(trace, policy, num_blocks, clock)
     if kind == "vllm":

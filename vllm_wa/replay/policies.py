@@ -19,21 +19,10 @@ from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import WAParams
 from vllm_wa.replay.belady import BeladyFreeQueue, BeladyOracle
+from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
 POLICIES = ("lru", "wa-offline", "opt", "infinite", "wa-online", "wa-reprofiled")
-
-
-class ReplayClock:
-    """Trace time, set by the replay loop; every queue and controller reads it."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass
@@ -46,14 +35,14 @@ class ReplayPolicy:
     oracle: BeladyOracle | None = None
     unbounded: bool = False  # the replay sizes the pool so nothing is evicted
 
-    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+    def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:
             self.queue = FreeKVCacheBlockQueue(blocks)
             return self.queue
 
         return make
 
-    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+    def install_vllm(self, block_pool: Any, clock: SettableClock) -> None:
         self.queue = block_pool.free_block_queue
 
     def advance(self, now: float) -> None:
@@ -72,7 +61,7 @@ class StaticWAPolicy(ReplayPolicy):
     sink: EventSink | None = None
     registry: ClassRegistry = field(default_factory=ClassRegistry)
 
-    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+    def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:
             self.queue = WorkloadAwareFreeQueue(
                 blocks, self.params, clock=clock, registry=self.registry, sink=self.sink
@@ -82,7 +71,7 @@ class StaticWAPolicy(ReplayPolicy):
 
         return make
 
-    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+    def install_vllm(self, block_pool: Any, clock: SettableClock) -> None:
         handle = install_wa_queue(
             block_pool,
             self.params,
@@ -104,7 +93,7 @@ class OptPolicy(ReplayPolicy):
     next_req: Any = None
     offsets: Any = None
 
-    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+    def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:
             self.queue = BeladyFreeQueue(blocks)
             self.oracle = BeladyOracle(self.queue, self.next_req, self.offsets)
@@ -112,7 +101,7 @@ class OptPolicy(ReplayPolicy):
 
         return make
 
-    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+    def install_vllm(self, block_pool: Any, clock: SettableClock) -> None:
         free = block_pool.free_block_queue.get_all_free_blocks()
         for b in free:
             b.prev_free_block = b.next_free_block = None

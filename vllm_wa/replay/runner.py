@@ -17,13 +17,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.params import WAParams
 from vllm_wa.replay.belady import next_use_table
 from vllm_wa.replay.engines import make_engine
 from vllm_wa.replay.lifetime import LifetimeModel
-from vllm_wa.replay.policies import POLICIES, OptPolicy, ReplayClock, ReplayPolicy, StaticWAPolicy
+from vllm_wa.replay.online_policy import OnlineWAPolicy
+from vllm_wa.replay.policies import POLICIES, OptPolicy, ReplayPolicy, StaticWAPolicy
 from vllm_wa.replay.profile import profile_trace
 from vllm_wa.replay.trace import Trace
+from vllm_wa.sim.clock import SettableClock
 
 
 @dataclass
@@ -68,8 +71,7 @@ class ReplayConfig:
     lifetime: LifetimeModel = field(default_factory=LifetimeModel)
     window_seconds: float | None = None
     tag_swap: tuple[str, str] | None = None
-    seed: int = 0
-    controller_config: Any = None  # vllm_wa.controller.config.ControllerConfig for wa-online
+    controller_config: ControllerConfig | None = None  # for wa-online (default config when None)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.profile_fraction < 1.0:
@@ -98,7 +100,7 @@ def run_one(
     progress: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Replay ``trace`` through ``policy`` in a pool of ``num_blocks`` blocks."""
-    clock = ReplayClock(trace.start)
+    clock = SettableClock(trace.start)
     if policy.unbounded:
         num_blocks = trace.unique_blocks() + len(trace.requests) + 2
     engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
@@ -134,7 +136,7 @@ def _replay_loop(
     eval_start: float,
     win_hits: dict[int, list[int]],
     progress: Callable[[int], None] | None,
-    clock: ReplayClock,
+    clock: SettableClock,
 ) -> None:
     bs = trace.block_size
     lifetime = cfg.lifetime
@@ -223,8 +225,6 @@ def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
     if name == "opt":
         return OptPolicy("opt", next_req=setup.next_req, offsets=setup.offsets)
     if name == "wa-online":
-        from vllm_wa.controller.replay_policy import OnlineWAPolicy
-
         return OnlineWAPolicy.create(setup.cfg.controller_config, setup.trace)
     raise ValueError(f"unknown policy {name!r}")
 

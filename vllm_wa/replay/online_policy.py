@@ -1,4 +1,8 @@
-"""The ``wa-online`` replay policy: the live controller, driven by trace time."""
+"""The ``wa-online`` replay policy: the live controller, driven by trace time.
+
+The controller, queue and tagger are the objects ``vllm serve --wa-online``
+runs; :func:`start_online` wires them the same way in both.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from vllm_wa.engine_patch.block_tagger import BlockTagger
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.install import install_wa_queue
-from vllm_wa.replay.policies import ReplayClock, ReplayPolicy
+from vllm_wa.replay.policies import ReplayPolicy
+from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
 
@@ -31,7 +36,7 @@ class OnlineWAPolicy(ReplayPolicy):
     def create(cls, config: ControllerConfig | None, trace: Any = None) -> OnlineWAPolicy:
         return cls("wa-online", config=config or ControllerConfig())
 
-    def queue_factory(self, clock: ReplayClock) -> Callable[[list[KVCacheBlock]], Any]:
+    def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:
             def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
                 self.queue = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=registry, sink=sink)
@@ -43,7 +48,7 @@ class OnlineWAPolicy(ReplayPolicy):
 
         return make
 
-    def install_vllm(self, block_pool: Any, clock: ReplayClock) -> None:
+    def install_vllm(self, block_pool: Any, clock: SettableClock) -> None:
         def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
             h = install_wa_queue(block_pool, None, clock=clock, sink=sink, registry=registry, class_key=key)
             self.queue, self.tagger = h.queue, h.tagger

@@ -9,23 +9,15 @@ new blocks plus touched free hits fit, touch the hits, pop new blocks
 (evicting their old hashes), cache the prompt, and on release free the blocks
 tail first.  A test checks that it gives the same hits as the real manager.
 
-Hashes here are the trace's integer block ids.
+Hashes here are the trace's integer block ids (or any hashable).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-
-class PoolHooks(Protocol):
-    """What a policy learns from the pool (the block tagger implements it)."""
-
-    def on_lookup(self, req: Any, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any], now: float) -> None: ...
-
-    def on_free(self, req: Any, blocks: Sequence[KVCacheBlock], now: float) -> None: ...
 
 
 class SimBlockPool:
@@ -57,7 +49,6 @@ class SimBlockPool:
         self.held: dict[str, list[KVCacheBlock]] = {}
         self.prefix_hits = prefix_hits
         self.last_block_hits = last_block_hits
-        self.hooks: PoolHooks | None = None
 
     @property
     def num_free_blocks(self) -> int:
