@@ -105,6 +105,23 @@ def test_mooncake_loader_and_detection(tmp_path):
         load_trace(str(empty), "mooncake")
 
 
+def test_cut_applies_to_every_format(tmp_path, agentic):
+    p = tmp_path / "b.jsonl"
+    p.write_text("\n".join(bailian_line(chat=i, ts=100.0 + 10 * i) for i in range(10)))
+    tr = load_trace(str(p), cut=45.0)  # from the first request at t=100
+    assert [r.arrival for r in tr.requests] == [100.0, 110.0, 120.0, 130.0, 140.0]
+    full = load_trace(MOONCAKE)
+    short = load_trace(MOONCAKE, cut=60.0)
+    assert 0 < len(short.requests) < len(full.requests)
+    assert max(r.arrival for r in short.requests) < full.start + 60.0
+    assert short.requests == [r for r in full.requests if r.arrival < full.start + 60.0]
+    ag = load_trace(AGENTIC, agentic=AgenticOptions(max_conversations=12, seed=1), cut=600.0)
+    assert ag.requests and max(r.arrival for r in ag.requests) < 600.0
+    assert len(ag.requests) < len(agentic.requests)
+    with pytest.raises(ValueError, match="cut"):
+        load_trace(MOONCAKE, cut=-1.0)
+
+
 def test_agentic_loader_offsets_tags_outcomes(agentic):
     tr = agentic
     assert tr.fmt == "agentic" and tr.block_size == 64

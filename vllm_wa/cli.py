@@ -20,14 +20,21 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of failing")
     p.add_argument("--seed", type=int, default=0, help="seed for conversation start offsets (agentic traces)")
     p.add_argument("--window", type=float, default=3600.0, help="agentic: start offsets uniform in [0, WINDOW] s")
-    p.add_argument("--cut", type=float, default=7200.0, help="agentic: drop requests arriving after CUT s")
+    p.add_argument(
+        "--cut",
+        type=float,
+        help="drop requests arriving CUT s or more after the trace's origin (agentic: the start of the offset "
+        "window, default 7200; JSON lines: the first request, default: keep all)",
+    )
     p.add_argument("--conversations", type=int, help="agentic: use this many conversations (seeded sample)")
     p.add_argument("--no-cache", action="store_true", help="do not use or write the parsed-trace cache")
 
 
 def _load(path: str, args: argparse.Namespace):
-    opts = AgenticOptions(window=args.window, cut=args.cut, max_conversations=args.conversations, seed=args.seed)
-    return load_trace_cached(path, args.format, skip_bad=args.skip_bad, agentic=opts, use_cache=not args.no_cache)
+    opts = AgenticOptions(window=args.window, max_conversations=args.conversations, seed=args.seed)
+    return load_trace_cached(
+        path, args.format, skip_bad=args.skip_bad, agentic=opts, cut=args.cut, use_cache=not args.no_cache
+    )
 
 
 def _progress(msg: str) -> None:
@@ -169,7 +176,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         skip_bad=False,
         seed=0,
         window=3600.0,
-        cut=7200.0,
+        cut=None,
         conversations=None,
         no_cache=True,
     )

@@ -19,7 +19,7 @@ import random
 import tarfile
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from vllm_wa.replay.trace import Trace, TraceRequest
@@ -91,15 +91,35 @@ def load_trace(
     *,
     skip_bad: bool = False,
     agentic: AgenticOptions | None = None,
+    cut: float | None = None,
 ) -> Trace:
+    """Load a trace of any format; ``cut`` drops requests arriving ``cut`` s or
+    more after its origin (agentic: the start of the offset window, where it
+    overrides ``agentic.cut``; JSON lines: the first request)."""
     fmt = fmt or detect_format(path)
-    if fmt == "bailian":
-        return load_bailian(path, skip_bad=skip_bad)
-    if fmt == "mooncake":
-        return load_mooncake(path, skip_bad=skip_bad)
+    if cut is not None and not (math.isfinite(cut) and cut > 0):
+        raise ValueError(f"cut must be a positive number of seconds, got {cut!r}")
     if fmt == "agentic":
-        return load_agentic(path, agentic or AgenticOptions(), skip_bad=skip_bad)
-    raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
+        opts = agentic or AgenticOptions()
+        if cut is not None:
+            opts = replace(opts, cut=cut)
+        return load_agentic(path, opts, skip_bad=skip_bad)
+    if fmt == "bailian":
+        trace = load_bailian(path, skip_bad=skip_bad)
+    elif fmt == "mooncake":
+        trace = load_mooncake(path, skip_bad=skip_bad)
+    else:
+        raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
+    return cut_trace(trace, cut) if cut is not None else trace
+
+
+def cut_trace(trace: Trace, cut: float) -> Trace:
+    """The requests arriving less than ``cut`` s after the trace's first one."""
+    limit = trace.start + cut
+    kept = [r for r in trace.requests if r.arrival < limit]
+    out = Trace(trace.name, trace.block_size, kept, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    out.notes.append(f"cut at {cut:g} s after the first request ({len(kept)} of {len(trace.requests)} requests)")
+    return out
 
 
 # ---- JSON lines ----------------------------------------------------------------------------

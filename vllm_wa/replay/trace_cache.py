@@ -20,7 +20,7 @@ def cache_dir() -> str:
     return os.environ.get("VLLM_WA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vllm-wa", "traces")
 
 
-def _key(path: str, fmt: str | None, skip_bad: bool, agentic: AgenticOptions | None) -> str:
+def _key(path: str, fmt: str | None, skip_bad: bool, agentic: AgenticOptions | None, cut: float | None) -> str:
     st = os.stat(path)
     parts: list[Any] = [
         CACHE_VERSION,
@@ -30,6 +30,7 @@ def _key(path: str, fmt: str | None, skip_bad: bool, agentic: AgenticOptions | N
         fmt,
         skip_bad,
         asdict(agentic) if agentic else None,
+        cut,
     ]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
@@ -40,12 +41,13 @@ def load_trace_cached(
     *,
     skip_bad: bool = False,
     agentic: AgenticOptions | None = None,
+    cut: float | None = None,
     use_cache: bool = True,
 ) -> Trace:
     """``load_trace`` with a cache keyed by the file's path, size, mtime and options."""
     if not use_cache or os.path.isdir(path):
-        return load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic)
-    file = os.path.join(cache_dir(), _key(path, fmt, skip_bad, agentic) + ".pkl")
+        return load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
+    file = os.path.join(cache_dir(), _key(path, fmt, skip_bad, agentic, cut) + ".pkl")
     try:
         with open(file, "rb") as f:
             trace = pickle.load(f)
@@ -53,7 +55,7 @@ def load_trace_cached(
             return trace
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
         pass
-    trace = load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic)
+    trace = load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         tmp = file + f".tmp{os.getpid()}"
