@@ -140,7 +140,9 @@ def test_drift_detector_shortens_memory():
 
 
 def small_config(**kw) -> ControllerConfig:
-    base = dict(refit_interval_s=1.0, min_samples=5, tuner_min_lookups=10, tuner_hold_s=0.0, tuner_window_s=60.0)
+    base = dict(refit_interval_s=1.0, min_samples=5, tuner_min_requests=10, tuner_min_batches=2,
+                tuner_batch_s=1.0, tuner_window_s=60.0, tuner_demote_window_s=10.0,
+                initial="tag+outcome/hyper/posterior/L10")
     base.update(kw)
     return ControllerConfig(**base)
 
@@ -209,34 +211,6 @@ def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
     monkeypatch.undo()
     c.refit()
     assert c.errors == 1 and len(applied.calls) == 2
-
-
-def test_tuner_promotes_with_hysteresis_and_falls_back_to_lru():
-    sink = EventSink()
-    clock = [0.0]
-    cfg = small_config(tuner_hold_s=10.0, tuner_margin=0.01, tuner_min_lookups=10)
-    c = WAController(cfg, 200, Applied(), sink, clock=lambda: clock[0])
-    wa = c.active
-    lru = c.candidates["lru"]
-    cur = c.candidates[wa]
-
-    def window(cand, t, hits):
-        cand.shadow.window.add(t, hits, 100)
-
-    # LRU leads by 5 points: not promoted before the hold time has passed.
-    window(lru, 0.0, 60)
-    window(cur, 0.0, 55)
-    c._tune(0.0)
-    assert c.active == wa
-    c._tune(5.0)
-    assert c.active == wa
-    c._tune(11.0)
-    assert c.active == "lru"
-    assert c.switches[-1]["to"] == "lru"
-    # A lead below the margin never promotes.
-    window(cur, 12.0, 5)  # cur: 60 / 200 = 0.30; lru: 60 / 100 = 0.6 -> lru stays
-    c._tune(30.0)
-    assert c.active == "lru"
 
 
 def test_pin_and_unpin():
@@ -362,7 +336,7 @@ def test_fit_model_families():
 def test_shadow_caches_release_requests_whose_finish_was_lost():
     from vllm_wa.controller.shadow import ShadowCache
 
-    sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, window_s=60, max_classes=8)
+    sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, max_classes=8)
     for i in range(3):
         sc.lookup(f"r{i}", "t", [("h", i, j) for j in range(6)], float(i))
     assert sc.cache.pool.num_free_blocks == 1  # 19 usable, 18 pinned

@@ -120,7 +120,8 @@ def workdir(tmp_path_factory):
     cfg = d / "wa.toml"
     cfg.write_text(
         "[controller]\nrefit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
-        "[tuner]\nmin_lookups = 20\nhold_s = 2\n"
+        "[tuner]\nmin_requests = 20\nmin_batches = 2\nbatch_s = 1.0\ndemote_window_s = 5.0\n"
+        "initial = \"tag+outcome/hyper/posterior/L10\"\n"
     )
     return {"dir": str(d), "model": model, "shim": shim, "config": str(cfg)}
 

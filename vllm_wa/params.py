@@ -205,6 +205,8 @@ class WAParams:
     mode: str = "pr"
     version: int = 0
     source: str = "prior"
+    # Scorers by class name, built once by :meth:`compile` (or on first use).
+    _scorers: dict[str, ClassScorer] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.models, Mapping):
@@ -239,7 +241,21 @@ class WAParams:
         return self.models.get(class_name, self.default)
 
     def scorer_for(self, class_name: str) -> ClassScorer:
-        return ClassScorer(self.model_for(class_name), self.horizon, self.mode)
+        """The compiled scorer of a class (the default's for unnamed classes)."""
+        s = self._scorers.get(class_name)
+        if s is None:
+            s = self._scorers.get("") if class_name not in self.models else None
+            if s is None:
+                s = ClassScorer(self.model_for(class_name), self.horizon, self.mode)
+                self._scorers["" if class_name not in self.models else class_name] = s
+        return s
+
+    def compile(self) -> WAParams:
+        """Build every class's scorer now (the controller does it off the engine thread)."""
+        self.scorer_for("")
+        for name in self.models:
+            self.scorer_for(name)
+        return self
 
     def evolve(self, **changes: Any) -> WAParams:
         """A copy with some fields replaced (validated like a new object)."""
@@ -335,6 +351,31 @@ def _model_from_json(obj: Any) -> ReuseModel:
         tuple(_check_number("w", w, hi=1.0) for w, _ in pairs),
         tuple(_check_number("a", a) for _, a in pairs),
     )
+
+
+def _relative_change(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def models_differ(a: ReuseModel, b: ReuseModel, tolerance: float) -> bool:
+    """Whether two reuse models differ by more than ``tolerance`` (relative) in any parameter."""
+    if len(a.weights) != len(b.weights):
+        return True
+    pairs = zip(a.weights + a.rates, b.weights + b.rates)
+    return any(_relative_change(x, y) > tolerance for x, y in pairs)
+
+
+def params_changed(old: WAParams, new: WAParams, tolerance: float) -> bool:
+    """Whether swapping ``new`` in for ``old`` changes how the queue ranks blocks.
+
+    A different score mode or horizon, a different set of classes, or any
+    model parameter that moved by more than ``tolerance`` (relative).
+    """
+    if old.mode != new.mode or _relative_change(old.horizon, new.horizon) > tolerance:
+        return True
+    if set(old.models) != set(new.models) or models_differ(old.default, new.default, tolerance):
+        return True
+    return any(models_differ(m, new.models[c], tolerance) for c, m in old.models.items())
 
 
 def pooled_model(models: Any) -> ReuseModel:

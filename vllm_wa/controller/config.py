@@ -17,6 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from vllm_wa.controller.features import FEATURES
+from vllm_wa.controller.tuner import TunerSettings
 
 FAMILIES = ("exponential", "hyperexponential")
 MODES = ("pr", "posterior")
@@ -77,27 +78,42 @@ class ControllerConfig:
     checkpoint_path: str = ""
     checkpoint_interval_s: float = 60.0
     seed_params: str = ""
+    swap_tolerance: float = 0.01
     tuner_enabled: bool = True
     tuner_window_s: float = 900.0
+    tuner_demote_window_s: float = 300.0
+    tuner_batch_s: float = 30.0
     tuner_margin: float = 0.003
-    tuner_hold_s: float = 120.0
-    tuner_min_lookups: int = 200
-    initial: str = "tag+outcome/hyper/posterior/L10"
+    tuner_min_requests: int = 200
+    tuner_min_batches: int = 6
+    tuner_confidence: float = 0.95
+    tuner_demote_confidence: float = 0.95
+    initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
 
     def __post_init__(self) -> None:
         positive = (
             "refit_interval_s", "memory_s", "shadow_blocks", "ghost_factor", "max_watch_s",
             "drift_delta", "event_capacity", "checkpoint_interval_s", "tuner_window_s", "max_classes",
+            "tuner_demote_window_s", "tuner_batch_s", "tuner_min_batches",
         )
         for name in positive:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name} must be a positive number, got {v!r}")
-        for name in ("min_samples", "tuner_margin", "tuner_hold_s", "tuner_min_lookups"):
+        for name in ("min_samples", "tuner_margin", "tuner_min_requests", "swap_tolerance"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
+        for name in ("tuner_confidence", "tuner_demote_confidence"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.5 <= v < 1.0:
+                raise ConfigError(f"{name} must be in [0.5, 1), got {v!r}")
+        for name in ("tuner_min_requests", "tuner_min_batches"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.tuner_batch_s * 2 > self.tuner_demote_window_s:
+            raise ConfigError("tuner_demote_window_s must hold at least two batches (2 x tuner_batch_s)")
         if not 0.0 < self.drift_forget <= 1.0:
             raise ConfigError(f"drift_forget must be in (0, 1], got {self.drift_forget!r}")
         if self.sample_rate is not None and not 0.0 < self.sample_rate <= 1.0:
@@ -122,6 +138,19 @@ class ControllerConfig:
             raise ConfigError(f"candidates must differ; got duplicates in {names}")
         if self.initial not in names:
             raise ConfigError(f"initial must name a candidate ({names}), got {self.initial!r}")
+
+    @property
+    def tuner_settings(self) -> TunerSettings:
+        return TunerSettings(
+            margin=self.tuner_margin,
+            window_s=self.tuner_window_s,
+            demote_window_s=self.tuner_demote_window_s,
+            batch_s=self.tuner_batch_s,
+            min_requests=self.tuner_min_requests,
+            min_batches=self.tuner_min_batches,
+            confidence=self.tuner_confidence,
+            demote_confidence=self.tuner_demote_confidence,
+        )
 
     @property
     def all_candidates(self) -> tuple[CandidateSpec, ...]:

@@ -5,9 +5,14 @@ events into censored reuse observations per finest class and feeds the
 candidates' miniature caches; then, for every candidate, it fits one model
 per class of that candidate's key, builds an immutable :class:`WAParams`,
 and hands it to the candidate's shadow cache.  The tuner picks the candidate
-the real cache runs (LRU is always a candidate) and the new parameters are
-swapped into the live queue.  The job never raises: an error is counted and
-logged, the last good parameters stay, and the next run starts afresh.
+the real cache runs (LRU, until another is measured better) and its
+parameters are swapped into the live queue when they changed.  The job never
+raises: an error is counted and logged, the last good parameters stay, and
+the next run starts afresh.
+
+The controller is the one owner of the live parameters: the refit job (on
+its own thread) and the operator's pin/unpin (on the engine thread) resolve
+and apply them under one lock, so neither can overwrite the other's.
 
 The same object runs in the engine-core process (on an apscheduler thread)
 and in ``vllm-wa replay`` (called at trace time through the replay clock).
@@ -17,9 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
-
 import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,8 +39,9 @@ from vllm_wa.controller.features import FINEST, FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
+from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
-from vllm_wa.params import ParamsError, ReuseModel, WAParams
+from vllm_wa.params import ParamsError, ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
@@ -49,7 +55,6 @@ class Candidate:
     shadow: ShadowCache
     key: FeatureKey | None
     params: WAParams = field(default_factory=WAParams.lru)
-    lead_since: float | None = None
     fits: dict[str, FitState] = field(default_factory=dict)
 
 
@@ -131,12 +136,18 @@ class WAController:
         self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
         self.candidates: dict[str, Candidate] = {}
         for spec in config.all_candidates:
-            shadow = ShadowCache(spec, self.shadow_blocks, config.tuner_window_s, config.max_classes)
+            shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes)
             key = None if spec.lru else FeatureKey(tuple(spec.features))
             self.candidates[spec.name] = Candidate(spec, shadow, key)
-        self.active = config.initial
+        self._shadows = [c.shadow for c in self.candidates.values()]
+        self.tuner = Tuner(list(self.candidates), config.tuner_settings, initial=config.initial)
         self.pinned: WAParams | None = None
+        self._pinned_key: FeatureKey | None = None
+        # What the live queue runs: the parameters and the class key (None: LRU).
         self.params = self.prior
+        self._applied_key: FeatureKey | None = None
+        self._applied_candidate: str | None = None
+        self._swap_lock = threading.Lock()
         self.version = 0
         self.refits = 0
         self.swaps = 0
@@ -147,7 +158,6 @@ class WAController:
         self.refit_seconds = 0.0
         self.events_processed = 0
         self.drift_events: deque[dict[str, Any]] = deque(maxlen=50)
-        self.switches: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
         # The state as of the last refit, published for other threads (the
@@ -185,10 +195,16 @@ class WAController:
             return [h for _, h in hashes]
         return [h for _, h in hashes if hash_sample_value(h) < thr]
 
+    @property
+    def active(self) -> str:
+        """The candidate the tuner runs (the live queue runs it unless pinned)."""
+        return self.tuner.active
+
     def process(self, events: list[Any]) -> None:
         """Apply drained engine events in order."""
         tracker = self.tracker
-        shadows = [c.shadow for c in self.candidates.values()]
+        shadows = self._shadows
+        record = self.tuner.record
         for ev in events:
             kind = ev.kind
             if kind == EventKind.FREED:
@@ -199,9 +215,9 @@ class WAController:
             elif kind == EventKind.LOOKUP:
                 tracker.looked_up(ev.hashes, ev.time)
                 hs = self._shadow_hashes(ev.hashes)
-                if hs:
-                    for s in shadows:
-                        s.lookup(ev.request_id, ev.tag, hs, ev.time)
+                if hs and not shadows[0].cache.holds(ev.request_id):
+                    # The same sampled request in every miniature cache: paired evidence.
+                    record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows])
             elif kind == EventKind.FINISHED:
                 for s in shadows:
                     s.finish(ev.request_id, ev.outcome, ev.time)
@@ -236,7 +252,12 @@ class WAController:
                 continue
             cand.params = self._fit_candidate(cand, at_risk)
             cand.shadow.set_params(cand.params)
-        self._tune(now)
+        if self.config.tuner_enabled:
+            sw = self.tuner.decide(now)
+            if sw is not None:
+                logger.info("vllm-wa tuner: %s %s -> %s (lead %.4f, bound %.4f, %d requests in %d batches)",
+                            sw.reason, sw.from_candidate, sw.to_candidate, sw.lead, sw.lower_bound,
+                            sw.requests, sw.batches)
         self.refits += 1
         self.last_refit = now
         self._swap(now)
@@ -293,49 +314,38 @@ class WAController:
             source=f"online:{spec.name}",
         )
 
-    def _tune(self, now: float) -> None:
-        cfg = self.config
-        if not cfg.tuner_enabled:
-            return
-        cur = self.candidates[self.active]
-        cur_rate = cur.shadow.window.rate
-        best = None
-        for cand in self.candidates.values():
-            h, n = cand.shadow.window.totals()
-            if n < cfg.tuner_min_lookups:
-                cand.lead_since = None
-                continue
-            if cand is cur or cand.shadow.window.rate <= cur_rate + cfg.tuner_margin:
-                cand.lead_since = None
-                continue
-            if cand.lead_since is None:
-                cand.lead_since = now
-            if now - cand.lead_since >= cfg.tuner_hold_s and (
-                best is None or cand.shadow.window.rate > best.shadow.window.rate
-            ):
-                best = cand
-        if best is not None:
-            self.switches.append(
-                {"time": now, "from": self.active, "to": best.spec.name,
-                 "from_rate": cur_rate, "to_rate": best.shadow.window.rate}
-            )
-            self.active = best.spec.name
-            best.lead_since = None
-
-    def _swap(self, now: float) -> None:
-        cand = self.candidates[self.active]
+    def _target(self) -> tuple[WAParams, FeatureKey | None, str]:
+        """What the live queue should run: the pin, or the tuner's candidate."""
         if self.pinned is not None:
-            params, key = self.pinned, self._pinned_key
-        elif cand.spec.lru:
-            params, key = WAParams.lru(source="online:lru"), None
-        else:
-            params, key = self._with_other_classes(cand), cand.key
-        self.version += 1
-        params = params.evolve(version=self.version)
-        self.apply(params, key)
-        self.params = params
-        self.swaps += 1
-        self.last_swap = now
+            return self.pinned, self._pinned_key, "pinned"
+        cand = self.candidates[self.active]
+        if cand.spec.lru:
+            return WAParams.lru(source="online:lru"), None, LRU
+        return cand.params, cand.key, cand.spec.name
+
+    def _swap(self, now: float) -> bool:
+        """Apply the target parameters if they differ from the live ones; under the lock."""
+        with self._swap_lock:
+            params, key, name = self._target()
+            if (
+                self.version > 0
+                and name == self._applied_candidate
+                and key == self._applied_key
+                and not params_changed(self.params, params, self.config.swap_tolerance)
+            ):
+                return False
+            if name not in ("pinned", LRU):
+                params = self._with_other_classes(self.candidates[name])
+            self.version += 1
+            params = params.evolve(version=self.version)
+            params.compile()  # scorers are built here, not on the engine thread
+            self.apply(params, key)
+            self.params = params
+            self._applied_key = key
+            self._applied_candidate = name
+            self.swaps += 1
+            self.last_swap = now
+            return True
 
     def _with_other_classes(self, cand: Candidate) -> WAParams:
         """The active candidate's parameters, plus the other candidates' classes.
@@ -356,17 +366,18 @@ class WAController:
 
     # ---- operator control ---------------------------------------------------------------------
 
-    _pinned_key: FeatureKey | None = None
-
     def pin(self, params: WAParams, features: tuple[str, ...] | None = None) -> None:
         """Run fixed parameters (learning continues); validated by the caller."""
-        self._pinned_key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
-        self.pinned = params.evolve(source="pinned")
+        key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
+        with self._swap_lock:
+            self.pinned = params.evolve(source="pinned")
+            self._pinned_key = key
         self._swap(self.clock())
 
     def unpin(self) -> None:
-        self.pinned = None
-        self._pinned_key = None
+        with self._swap_lock:
+            self.pinned = None
+            self._pinned_key = None
         self._swap(self.clock())
 
     # ---- state ------------------------------------------------------------------------------------
@@ -409,21 +420,27 @@ class WAController:
         def rnd(x: float | None) -> float | None:
             return None if x is None else round(x, 6)
 
+        now = self.clock() if self.last_refit is None else self.last_refit
+        tuner = self.tuner.state(now)
+        rates = tuner.pop("window_rates")
         return {
             **self.state_light(),
             "classes": self.class_estimates(),
             "candidates": [
                 {
-                    "name": c.spec.name,
-                    "active": c.spec.name == self.active,
-                    "sampled_hit_rate": rnd(c.shadow.window.rate),
-                    "sampled_lookups": c.shadow.window.totals()[1],
+                    "name": name,
+                    "active": name == self.active,
+                    "sampled_hit_rate": rnd(rate),
+                    "sampled_lookups": lookups,
                     "shadow_blocks": self.shadow_blocks,
                 }
-                for c in self.candidates.values()
+                for name, (rate, lookups) in rates.items()
             ],
             "drift_events": list(self.drift_events),
-            "switches": list(self.switches),
+            "switches": tuner["switches"],
+            "promotions": tuner["promotions"],
+            "demotions": tuner["demotions"],
+            "seconds_on_candidate": tuner["seconds_on_candidate"],
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
             "last_error": self.last_error,
@@ -480,7 +497,8 @@ class WAController:
         for comps, d in restored:
             fid = self._fine_id(comps)
             self.estimators[fid].data = d
-        if active in self.candidates:
-            self.active = active
+        # The saved active candidate is not trusted: the tuner starts on LRU and
+        # re-confirms a candidate on this traffic before promoting it.
+        del active
         self.params = params
         return True
