@@ -24,6 +24,11 @@ from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
 # Reply outcomes, known to the engine (stop, length, abort) or reported to it
 # after the API server parsed the reply (tool).
 OUTCOMES = ("tool", "stop", "length", "abort", "error")
+# Outcomes the engine observes that no late report may change: a report
+# refines how a reply ended (a tool call behind a plain stop, or a trace's
+# outcome behind the length limit that ignore_eos forces), it cannot turn an
+# aborted or failed request into a finished one.
+ENGINE_FINAL_OUTCOMES = ("abort", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +214,11 @@ class BlockTagger:
         self._looked_up.pop(rid, None)
         key = self.request_key(rid)
         pending = self._pending_outcome.pop(key, None)
-        if pending is not None:
+        if pending is not None and req.outcome not in ENGINE_FINAL_OUTCOMES:
             # A reported fact (the reply called a tool) beats the engine's own
-            # finish reason (such replies end with a plain stop).
+            # stop or length (such replies end with a plain stop).
             req = replace(req, outcome=pending)
+            self.reclassified_requests += 1
         self.file_blocks(req, blocks)
         self._serial += 1
         serial = self._serial
@@ -291,8 +297,9 @@ class BlockTagger:
 
         ``request_id`` is the key of :attr:`request_key` (the external id when
         the API server reports).  If the request has not released its blocks
-        yet, the outcome is kept and applied when it does.  Returns the
-        number of blocks moved.
+        yet, the outcome is kept and applied when it does.  It replaces the
+        engine's own ``stop`` or ``length``, never an ``abort`` or ``error``
+        (:data:`ENGINE_FINAL_OUTCOMES`).  Returns the number of blocks moved.
         """
         recs = self._finished.get(request_id)
         if recs is None:
@@ -300,7 +307,7 @@ class BlockTagger:
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
             return 0
-        return sum(self._reclassify(rec, outcome) for rec in recs)
+        return sum(self._reclassify(rec, outcome) for rec in recs if rec.tags.outcome not in ENGINE_FINAL_OUTCOMES)
 
     def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
         req = replace(rec.tags, outcome=outcome)

@@ -46,6 +46,10 @@ def add_cli_options(parser: Any) -> None:
                    help="Seed parameters in the PR #22236 JSON format ({'a': {...}, 'p': {...}}).")
     g.add_argument("--wa-allow-pin", action="store_true", default=False,
                    help="Allow PUT /wa/params to pin parameters (needs the API key when one is set).")
+    g.add_argument("--wa-bench-outcome-hints", action="store_true", default=False,
+                   help="BENCHMARK HOOK, not for production: let a request set how its reply ended "
+                   "(vllm_xargs.wa_outcome = tool|stop|length), as vllm-wa bench-serve does to replay a "
+                   "trace's outcomes with a model that calls no tools. Needs --wa-online.")
 
 
 def _install_cli_options() -> None:
@@ -76,6 +80,8 @@ def _install_cli_options() -> None:
         def from_cli_args(cls: Any, args: Any, *a: Any, **kw: Any) -> Any:
             if getattr(args, "wa_online", False):
                 enable_online(args)
+            elif getattr(args, "wa_bench_outcome_hints", False):
+                logger.warning("vllm-wa: --wa-bench-outcome-hints has no effect without --wa-online")
             return orig_from(cls, args, *a, **kw)
 
         setattr(from_cli_args, _WRAPPED, orig_from)
@@ -107,10 +113,15 @@ def enable_online(args: Any) -> ServingSettings:
         params_path=getattr(args, "wa_params", None),
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
         metrics_interval_s=ServingSettings.from_env().metrics_interval_s,
+        bench_outcome_hints=bool(getattr(args, "wa_bench_outcome_hints", False)),
     )
     settings.export()
     from vllm_wa.serving import api_side
 
     api_side.install(settings)
+    if settings.bench_outcome_hints:
+        from vllm_wa.serving import outcome_hints
+
+        outcome_hints.install()
     logger.info("vllm-wa: --wa-online enabled (pinning %s)", "allowed" if settings.allow_pin else "disabled")
     return settings

@@ -17,6 +17,7 @@ ENV_CONFIG = "VLLM_WA_CONFIG"
 ENV_PARAMS = "VLLM_WA_PARAMS"
 ENV_ALLOW_PIN = "VLLM_WA_ALLOW_PIN"
 ENV_METRICS_INTERVAL = "VLLM_WA_METRICS_INTERVAL"
+ENV_BENCH_OUTCOME_HINTS = "VLLM_WA_BENCH_OUTCOME_HINTS"
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ServingSettings:
     params_path: str | None = None
     allow_pin: bool = False
     metrics_interval_s: float = 5.0
+    bench_outcome_hints: bool = False
 
     @classmethod
     def from_env(cls) -> ServingSettings:
@@ -39,6 +41,7 @@ class ServingSettings:
             params_path=os.environ.get(ENV_PARAMS) or None,
             allow_pin=os.environ.get(ENV_ALLOW_PIN) == "1",
             metrics_interval_s=interval if interval > 0 else 5.0,
+            bench_outcome_hints=os.environ.get(ENV_BENCH_OUTCOME_HINTS) == "1",
         )
 
     def export(self) -> None:
@@ -51,3 +54,4 @@ class ServingSettings:
                 os.environ.pop(key, None)
         os.environ[ENV_ALLOW_PIN] = "1" if self.allow_pin else "0"
         os.environ[ENV_METRICS_INTERVAL] = str(self.metrics_interval_s)
+        os.environ[ENV_BENCH_OUTCOME_HINTS] = "1" if self.bench_outcome_hints else "0"
