@@ -1,4 +1,4 @@
-"""``vllm-wa``: replay traces, profile parameters, synthesize traces, run the demo."""
+"""``vllm-wa``: replay traces, profile parameters, synthesize traces, benchmark a server, run the demo."""
 
 from __future__ import annotations
 
@@ -76,7 +76,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
             + (" (SYNTHETIC)" if trace.synthetic else "")
             + f", loaded in {time.perf_counter() - t0:.1f}s"
         )
-        setup = prepare(trace, policies, cfg)
+        if trace.fmt == "served":
+            # What a benchmark server saw: measured from its first request, with its own service times.
+            from vllm_wa.replay.served import replay_config
+
+            setup = prepare(trace, policies, replay_config(cfg))
+        else:
+            setup = prepare(trace, policies, cfg)
         unique[trace.name] = setup.trace.unique_blocks(since=setup.eval_start)
         sizes = resolve_sizes(args.cache_blocks, setup.trace, setup.eval_start)
         _progress(
@@ -221,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float)
     p.add_argument("--seed", type=int)
     p.set_defaults(fn=cmd_synth)
+
+    from vllm_wa.bench.cli import add_parser as add_bench_serve
+
+    add_bench_serve(sub)
 
     p = sub.add_parser("demo", help="replay the bundled real sample and plot it")
     p.add_argument("--out-dir", default="out")

@@ -158,5 +158,10 @@ def make_engine(kind: str, trace: Trace, policy: ReplayPolicy, num_blocks: int, 
     if kind == "fast":
         return FastEngine(trace, policy, num_blocks, clock)
     if kind == "vllm":
+        if trace.fmt == "served":
+            # What a benchmark server saw: its own tokens, block size and reply slots.
+            from vllm_wa.replay.served import ServedEngine
+
+            return ServedEngine(trace, policy, num_blocks, clock)
         return VLLMEngine(trace, policy, num_blocks, clock)
     raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINES}")

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from vllm_wa.replay.trace import Trace, TraceRequest
 
-FORMATS = ("bailian", "mooncake", "agentic")
+FORMATS = ("bailian", "mooncake", "agentic", "served")
 BAILIAN_BLOCK = 16
 MOONCAKE_BLOCK = 512
 # Bailian turns are bucketed so classes stay bounded: 1, 2, 3, then "4" = 4+.
@@ -62,6 +62,10 @@ def _open_text(path: str) -> IO[str]:
 
 def detect_format(path: str) -> str:
     """Guess a trace's format from its name and first record."""
+    from vllm_wa.replay.served import is_served_result
+
+    if is_served_result(path):
+        return "served"
     if os.path.isdir(path) or any(path.endswith(s) for s in (".tar", ".tar.xz", ".tar.gz", ".tgz")):
         return "agentic"
     try:
@@ -108,6 +112,13 @@ def load_trace(
         trace = load_bailian(path, skip_bad=skip_bad)
     elif fmt == "mooncake":
         trace = load_mooncake(path, skip_bad=skip_bad)
+    elif fmt == "served":
+        from vllm_wa.replay.served import load_served
+
+        try:
+            trace = load_served(path)
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise TraceFormatError(path, f"not a readable bench-serve result: {e!r}") from None
     else:
         raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
     return cut_trace(trace, cut) if cut is not None else trace
