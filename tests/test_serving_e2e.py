@@ -60,10 +60,11 @@ class Server:
             vllm_bin, "serve", model, "--served-model-name", "tiny", "--port", str(self.port),
             "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "512", "--enforce-eager",
             "--num-gpu-blocks-override", "40", "--max-num-seqs", "4", "--api-key", API_KEY,
-            "--enable-prefix-caching",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-per-request-metrics",
         ]
         if wa:
-            cmd += ["--wa-online", "--wa-allow-pin"] + (["--wa-config", config] if config else [])
+            cmd += ["--wa-online", "--wa-allow-pin", "--wa-bench-outcome-hints"]
+            cmd += ["--wa-config", config] if config else []
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([shim, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -129,6 +130,13 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wa_server(workdir):
     s = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=True, config=workdir["config"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(workdir, wa_server):
+    s = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=False)
     yield s
     s.stop()
 
@@ -311,17 +319,68 @@ def test_grafana_dashboard_queries_return_series(wa_server, workdir):
         log.close()
 
 
-def test_without_flag_nothing_changes(workdir, wa_server):
-    plain = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=False)
-    try:
-        code, _ = http("GET", plain.url + "/wa/params")
-        assert code == 404
-        send_conversations(plain.url, n_rounds=1)
-        code, metrics = http("GET", plain.url + "/metrics")
-        assert code == 200 and "vllm:prefix_cache_queries" in metrics
-        assert "vllm_wa_" not in metrics
-        if TIMING_FILE:
-            with open(TIMING_FILE, "a") as f:
-                f.write(json.dumps({"server": "plain", "startup_s": plain.startup_s}) + "\n")
-    finally:
-        plain.stop()
+def test_without_flag_nothing_changes(plain_server):
+    plain = plain_server
+    code, _ = http("GET", plain.url + "/wa/params")
+    assert code == 404
+    send_conversations(plain.url, n_rounds=1)
+    code, metrics = http("GET", plain.url + "/metrics")
+    assert code == 200 and "vllm:prefix_cache_queries" in metrics
+    assert "vllm_wa_" not in metrics
+    if TIMING_FILE:
+        with open(TIMING_FILE, "a") as f:
+            f.write(json.dumps({"server": "plain", "startup_s": plain.startup_s}) + "\n")
+
+
+def test_bench_serve_agrees_with_both_servers_counters(plain_server, wa_server, tmp_path):
+    """A shortened ``vllm-wa bench-serve`` run (16 real agentic conversations, prompts cut to
+    8 blocks, 600 trace seconds at 1/60 speed) against the plain and the --wa-online server.
+
+    Each server's prefix-cache hit counter grows by exactly the cached tokens the client
+    was told, nothing is preempted (4 requests of at most 9 blocks fit the 40-block
+    cache), both servers get the same requests, none fails, the --wa-online server
+    applies the outcome hints, and the replay of the plain server's requests predicts
+    its hit rate.
+    """
+    import asyncio
+
+    from vllm_wa.bench import report
+    from vllm_wa.bench.client import BenchClient, ClientConfig
+    from vllm_wa.bench.slicing import SliceSpec, slice_trace
+    from vllm_wa.bench.suite import predict
+    from vllm_wa.replay.loaders import AgenticOptions, load_trace
+
+    sample = os.path.join(ROOT, "vllm_wa", "data", "agentic-coding-sample.tar.xz")
+    full = load_trace(sample, agentic=AgenticOptions(max_conversations=16, window=600, seed=0))
+    trace = slice_trace(full, SliceSpec(block_size=32, max_prompt_blocks=8, duration=600))
+    hints_before = wa_state(wa_server.url)["outcomes_reclassified"]
+    results = {}
+    for name, srv in (("lru", plain_server), ("wa-online", wa_server)):
+        cfg = ClientConfig(url=srv.url, api_key=API_KEY, time_scale=1 / 60, max_output_tokens=8, label=name,
+                           progress=False)
+        res = asyncio.run(BenchClient(cfg, trace).run())
+        s = report.summarize(res)
+        assert s["failed"] == 0 and s["completed"] == len(trace.requests), s["errors"]
+        assert s["cached_tokens_reported"] == s["completed"]
+        assert s["cached_tokens"] == s["server"]["prefix_cache_hits"]
+        assert s["prompt_tokens"] == s["server"]["prefix_cache_queries"]
+        assert s["server"]["preemptions"] == 0
+        assert s["ttft_ms"]["n"] == s["qttft_ms"]["n"] == s["completed"]
+        results[name] = res
+    sent = {
+        name: [(r.index, r.hash_ids, r.input_tokens, r.max_tokens, r.tag, r.outcome_hint) for r in res.requests]
+        for name, res in results.items()
+    }
+    assert sent["lru"] == sent["wa-online"]
+    hinted = sum(r.outcome_hint is not None for r in results["wa-online"].requests)
+    assert hinted > 0
+    time.sleep(0.5)
+    assert wa_state(wa_server.url)["outcomes_reclassified"] - hints_before == hinted
+    path = str(tmp_path / "lru.json")
+    results["lru"].write(path)
+    measured = report.summarize(results["lru"])["token_hit_rate"]
+    predicted = predict(path, ["lru"], 40, None)["lru"]
+    assert abs(predicted - measured) <= 0.02, (predicted, measured)
+    if TIMING_FILE:
+        with open(TIMING_FILE, "a") as f:
+            f.write(json.dumps({"bench_serve": {"measured": measured, "predicted": predicted}}) + "\n")

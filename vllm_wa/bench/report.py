@@ -185,7 +185,8 @@ def plot(results: Sequence[RunResult], path: str, windows: int = 30) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     span = max((r.wall_s for r in results), default=1.0) or 1.0
     window = max(1.0, span / windows)
-    for res in results:
+    for i, res in enumerate(results):
+        color = f"C{i % 10}"
         ok = [r for r in res.requests if r.ok]
         for values, style, what in (
             (sorted(r.server_ttft_ms for r in ok if r.server_ttft_ms is not None), "-", "TTFT"),
@@ -193,12 +194,12 @@ def plot(results: Sequence[RunResult], path: str, windows: int = 30) -> None:
         ):
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
-                ax1.plot(values, ys, style, label=f"{res.label} {what}")
+                ax1.plot(values, ys, style, color=color, label=f"{res.label} {what}")
         pts = windowed_hit_rates(res, window)
         if pts:
-            ax2.plot([t for t, _ in pts], [100 * h for _, h in pts], marker=".", label=res.label)
+            ax2.plot([t for t, _ in pts], [100 * h for _, h in pts], marker=".", color=color, label=res.label)
     ax1.set_xscale("log")
-    ax1.set_xlabel("ms (server per-request metrics)")
+    ax1.set_xlabel("ms (server per-request metrics; dashed: QTTFT = queue + TTFT)")
     ax1.set_ylabel("CDF")
     ax1.set_title("time to first token")
     ax1.legend(fontsize=7)

@@ -48,7 +48,7 @@ class SliceSpec:
         if self.duration is not None:
             parts.append(f"the first {self.duration:g} s")
         if self.block_size is not None:
-            parts.append(f"re-blocked to {self.block_size}-token blocks")
+            parts.append(f"{self.block_size}-token blocks")
         if self.max_prompt_blocks is not None:
             parts.append(f"prompts truncated to their first {self.max_prompt_blocks} blocks")
         return ", ".join(parts) or "the whole trace"
