@@ -291,3 +291,41 @@ def test_candidate_seconds_from_the_controller_or_its_switches():
               "switches": [{"time": 50.0, "to": "lru"}, {"time": 120.0, "from": "lru", "to": "wa"}]}]
     assert report.candidate_seconds(before, after) == ({"lru": 20.0, "wa": 40.0}, "switches")
     assert report.percentile([1, 2, 3, 4], 50) == 2.5 and report.percentile([], 50) is None
+
+
+# ---- the make bench-serve driver --------------------------------------------------------------
+
+
+def write_bailian(path, n_conv=3, turns=4):
+    with open(path, "w") as f:
+        for c in range(n_conv):
+            ids: list[int] = []
+            for k in range(turns):
+                ids = ids + [1000 * (c + 1) + len(ids), 1000 * (c + 1) + len(ids) + 1]
+                f.write(json.dumps({"chat_id": 100 * c + k, "parent_chat_id": 100 * c + k - 1 if k else -1,
+                                    "timestamp": c + 10.0 * k, "input_length": 16 * len(ids), "output_length": 50,
+                                    "type": "text", "turn": k + 1, "hash_ids": ids}) + "\n")
+
+
+def test_suite_dry_run_plans_same_size_servers_and_refuses_caches_too_small(tmp_path, capsys):
+    from vllm_wa.bench import suite
+
+    trace = tmp_path / "t.jsonl"
+    write_bailian(trace)
+    common = ["--trace", str(trace), "--dry-run", "--out-dir", str(tmp_path / "out"), "--block-size", "32",
+              "--max-prompt-blocks", "3", "--max-output-tokens", "8"]
+    assert suite.main(common + ["--sizes", "50%,100%"]) == 0
+    out = capsys.readouterr().out
+    servers = [line for line in out.splitlines() if "] server:" in line]
+    assert len(servers) == 4  # lru and wa-online at each size
+    assert sum("--wa-online --wa-bench-outcome-hints --wa-config" in s for s in servers) == 2
+    assert all("--enforce-eager" in s and "--max-model-len 128 " in s for s in servers)  # 3 blocks + 8 tokens
+    assert "12 requests in 3 conversations" in out and "(dry run: nothing started)" in out
+    with pytest.raises(SystemExit, match="at least 5 blocks"):
+        suite.main(common + ["--sizes", "4"])
+    assert suite.main(["--trace", str(trace), "--dry-run", "--gpu", "--model", "/weights/m", "--sizes", "100%",
+                       "--out-dir", str(tmp_path / "gpu")]) == 0
+    out = capsys.readouterr().out
+    gpu = [line for line in out.splitlines() if "] server:" in line]
+    assert gpu and not any("--enforce-eager" in s or "VLLM_CPU" in s for s in gpu)
+    assert "time scale 1 " in out and "the shipped defaults" in out
