@@ -15,7 +15,6 @@ from vllm_wa.params import WAParams
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
 from vllm_wa.replay.policies import ReplayPolicy
-from vllm_wa.sim.clock import SettableClock
 from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes, run_one, sweep, swap_tags
 from vllm_wa.sim.block_pool import SimBlockPool
 from vllm_wa.replay.trace import Trace, TraceRequest

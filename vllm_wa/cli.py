@@ -9,9 +9,11 @@ import sys
 import time
 from importlib import resources
 
+from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep
+from vllm_wa.replay.served import replay_config
 from vllm_wa.replay.trace_cache import load_trace_cached
 
 
@@ -78,8 +80,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
         if trace.fmt == "served":
             # What a benchmark server saw: measured from its first request, with its own service times.
-            from vllm_wa.replay.served import replay_config
-
             setup = prepare(trace, policies, replay_config(cfg))
         else:
             setup = prepare(trace, policies, cfg)
@@ -227,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float)
     p.add_argument("--seed", type=int)
     p.set_defaults(fn=cmd_synth)
-
-    from vllm_wa.bench.cli import add_parser as add_bench_serve
 
     add_bench_serve(sub)
 

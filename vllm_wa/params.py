@@ -12,8 +12,12 @@ The queue ranks a free block that has been idle for ``D`` seconds by
                  probability that the block is reused in the next ``L`` s;
 * ``posterior``: ``(S(D) - S(D + L)) / S(D)``, the same probability given that
                  the block has not been reused for ``D`` seconds,
+* ``density``:   ``(S(D) - S(D + L)) / integral_0^L S(D + t) dt``, the hit
+                 density of LHD (Beckmann et al., NSDI '18): the chance of a
+                 reuse within ``L`` per second of cache space the block holds
+                 until then,
 
-where ``S`` is the survival function of the reuse delay.  Both are
+where ``S`` is the survival function of the reuse delay.  All three are
 non-increasing in ``D`` for any mixture of exponentials, so within one class an
 older block never outranks a newer one and the queue may keep one FIFO list per
 class and compare only the list heads.
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-SCORE_MODES = ("pr", "posterior")
+SCORE_MODES = ("pr", "posterior", "density")
 DEFAULT_HORIZON_S = 5.0
 _NEG_INF = float("-inf")
 # Upper bound of the idle-time search when inverting a score (about 30 years).
@@ -121,21 +125,29 @@ class ClassScorer:
     _window_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
     # log(w_k), a_k for the survival function (never-reused mass has rate 0).
     _survival_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+    # log(w_k * (1 - exp(-a_k * L)) / a_k), a_k: the expected occupancy within L.
+    _occupancy_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         window: list[tuple[float, float]] = []
         survival: list[tuple[float, float]] = []
+        occupancy: list[tuple[float, float]] = []
         for w, r in zip(self.model.weights, self.model.rates):
             if w > 0.0:
                 survival.append((math.log(w), r))
                 mass = -math.expm1(-r * self.horizon)
                 if mass > 0.0:
                     window.append((math.log(w) + math.log(mass), r))
+                    occupancy.append((math.log(w) + math.log(mass / r), r))
+                elif r == 0.0:
+                    occupancy.append((math.log(w) + math.log(self.horizon), 0.0))
         never = 1.0 - self.model.p
         if never > 0.0:
             survival.append((math.log(never), 0.0))
+            occupancy.append((math.log(never) + math.log(self.horizon), 0.0))
         object.__setattr__(self, "_window_terms", tuple(window))
         object.__setattr__(self, "_survival_terms", tuple(survival))
+        object.__setattr__(self, "_occupancy_terms", tuple(occupancy))
 
     def log_score(self, idle_s: float) -> float:
         terms = self._window_terms
@@ -148,7 +160,7 @@ class ClassScorer:
             log_window = _logsumexp([c - r * idle_s for c, r in terms])
         if self.mode == "pr":
             return log_window
-        surv = self._survival_terms
+        surv = self._survival_terms if self.mode == "posterior" else self._occupancy_terms
         if len(surv) == 1:
             c, r = surv[0]
             return log_window - (c - r * idle_s)

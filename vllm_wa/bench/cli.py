@@ -8,6 +8,12 @@ import os
 import signal
 import sys
 
+from vllm_wa.bench import report
+from vllm_wa.bench.client import BenchClient, ClientConfig
+from vllm_wa.bench.server_info import BenchError
+from vllm_wa.bench.slicing import SliceSpec, slice_trace
+from vllm_wa.replay.loaders import FORMATS, AgenticOptions, load_trace
+
 BENCH_HELP = """\
 Replay a trace slice through a live vLLM server's OpenAI API (/v1/completions, streaming) and
 measure what the server does: prefix-cache hits (per request and from /metrics), TTFT and
@@ -28,8 +34,6 @@ ends every reply by length); any other server ignores it.  --no-outcome-hints le
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from vllm_wa.replay.loaders import FORMATS
-
     p = sub.add_parser(
         "bench-serve",
         help="replay a trace through a live vLLM server and measure hits, TTFT and QTTFT",
@@ -62,8 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def load_slice(args: argparse.Namespace):
     """The trace slice ``args`` describe (shared with the ``make bench-serve`` driver)."""
-    from vllm_wa.bench.slicing import SliceSpec, slice_trace
-    from vllm_wa.replay.loaders import AgenticOptions, load_trace
 
     spec = SliceSpec(
         block_size=args.reblock,
@@ -90,10 +92,6 @@ async def _run_cancellable(client) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from vllm_wa.bench import report
-    from vllm_wa.bench.client import BenchClient, ClientConfig
-    from vllm_wa.bench.server_info import BenchError
-
     trace = load_slice(args)
     cfg = ClientConfig(
         url=args.url,

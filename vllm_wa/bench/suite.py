@@ -28,8 +28,18 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from vllm_wa.bench import report
+from vllm_wa.bench.client import BenchClient, ClientConfig
+from vllm_wa.bench.controller_scaling import time_scaled, to_toml
 from vllm_wa.bench.server_proc import ServerProcess, ServerSpec, free_port
+from vllm_wa.bench.slicing import SliceSpec, slice_trace
+from vllm_wa.bench.tiny_model import build_tiny_model
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.replay.loaders import AgenticOptions, load_trace
+from vllm_wa.replay.runner import ReplayConfig, prepare, sweep
+from vllm_wa.replay.served import load_served, replay_config
 from vllm_wa.replay.trace import Trace
+from vllm_wa.serving.cpu_shim import write_vllm_dist_shim
 
 SAMPLE = "agentic-coding-sample.tar.xz"
 
@@ -118,9 +128,6 @@ def _resolve_sizes(spec: str, unique: int, min_blocks: int) -> list[int]:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    from vllm_wa.bench.slicing import SliceSpec, slice_trace
-    from vllm_wa.replay.loaders import AgenticOptions, load_trace
-
     full = load_trace(args.trace, args.format, agentic=AgenticOptions(window=args.window, seed=args.seed))
     args.block_size = args.block_size or full.block_size
     spec = SliceSpec(
@@ -150,8 +157,6 @@ def _wa_config_path(args: argparse.Namespace) -> str | None:
         return None
     if args.wa_config != "scaled":
         return os.path.abspath(args.wa_config)
-    from vllm_wa.bench.controller_scaling import time_scaled, to_toml
-    from vllm_wa.controller.config import ControllerConfig
 
     path = os.path.abspath(os.path.join(args.out_dir, f"controller-x{args.time_scale:g}.toml"))
     if not args.dry_run:
@@ -172,8 +177,6 @@ def server_env(out_dir: str, cpu: bool) -> dict[str, str]:
 
     paths = [os.path.dirname(os.path.dirname(os.path.abspath(vllm_wa.__file__)))]
     if cpu:
-        from vllm_wa.serving.cpu_shim import write_vllm_dist_shim
-
         shim = write_vllm_dist_shim(os.path.join(out_dir, "vllm-cpu-shim"))
         if shim:
             paths.insert(0, os.path.abspath(shim))
@@ -184,7 +187,6 @@ def server_env(out_dir: str, cpu: bool) -> dict[str, str]:
 
 def run_one(plan: Plan, blocks: int, policy: str, env: dict[str, str]) -> tuple[Any, dict[str, Any]]:
     """Start the server, run the client, stop the server; returns (RunResult, timings)."""
-    from vllm_wa.bench.client import BenchClient, ClientConfig
 
     a = plan.args
     label = f"{policy}@{blocks}"
@@ -210,9 +212,6 @@ def run_one(plan: Plan, blocks: int, policy: str, env: dict[str, str]) -> tuple[
 
 def predict(result_path: str, policies: list[str], blocks: int, wa_config: str | None) -> dict[str, float]:
     """Each policy's replayed token hit rate on exactly the requests a server completed, with its timing."""
-    from vllm_wa.controller.config import ControllerConfig
-    from vllm_wa.replay.runner import ReplayConfig, prepare, sweep
-    from vllm_wa.replay.served import load_served, replay_config
 
     trace = load_served(result_path)
     cc = ControllerConfig.load(wa_config) if ("wa-online" in policies and wa_config) else None
@@ -292,12 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n(dry run: nothing started)")
         return 0
 
-    from vllm_wa.bench import report
 
     os.makedirs(args.out_dir, exist_ok=True)
     if not args.gpu:
-        from vllm_wa.bench.tiny_model import build_tiny_model
-
         build_tiny_model(os.path.join(args.out_dir, "tiny-model"), max_position_embeddings=max(2048, plan.max_model_len))
     env = server_env(args.out_dir, cpu=not args.gpu)
     results, fidelity, runs = [], [], []

@@ -18,9 +18,9 @@ else:  # pragma: no cover
 
 from vllm_wa.controller.features import FEATURES
 from vllm_wa.controller.tuner import TunerSettings
+from vllm_wa.params import SCORE_MODES
 
 FAMILIES = ("exponential", "hyperexponential")
-MODES = ("pr", "posterior")
 
 
 class ConfigError(ValueError):
@@ -129,8 +129,8 @@ class ControllerConfig:
                 raise ConfigError(f"{where}.features has unknown features {bad}; expected some of {FEATURES}")
             if c.family not in FAMILIES:
                 raise ConfigError(f"{where}.family must be one of {FAMILIES}, got {c.family!r}")
-            if c.mode not in MODES:
-                raise ConfigError(f"{where}.mode must be one of {MODES}, got {c.mode!r}")
+            if c.mode not in SCORE_MODES:
+                raise ConfigError(f"{where}.mode must be one of {SCORE_MODES}, got {c.mode!r}")
             if not (isinstance(c.horizon, (int, float)) and math.isfinite(c.horizon) and c.horizon > 0):
                 raise ConfigError(f"{where}.horizon must be a positive number of seconds, got {c.horizon!r}")
         names = [c.name for c in self.all_candidates]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
+from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
 
 FORMATS = ("bailian", "mooncake", "agentic", "served")
@@ -62,8 +63,6 @@ def _open_text(path: str) -> IO[str]:
 
 def detect_format(path: str) -> str:
     """Guess a trace's format from its name and first record."""
-    from vllm_wa.replay.served import is_served_result
-
     if is_served_result(path):
         return "served"
     if os.path.isdir(path) or any(path.endswith(s) for s in (".tar", ".tar.xz", ".tar.gz", ".tgz")):
@@ -113,8 +112,6 @@ def load_trace(
     elif fmt == "mooncake":
         trace = load_mooncake(path, skip_bad=skip_bad)
     elif fmt == "served":
-        from vllm_wa.replay.served import load_served
-
         try:
             trace = load_served(path)
         except (KeyError, TypeError, json.JSONDecodeError) as e:

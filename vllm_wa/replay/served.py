@@ -27,7 +27,7 @@ from array import array
 from dataclasses import replace
 from typing import Any
 
-from vllm_wa.replay.engines import model_free_kv_cache_manager
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.trace import Trace, TraceRequest

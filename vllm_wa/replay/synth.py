@@ -34,7 +34,7 @@ import os
 import random
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 if sys.version_info >= (3, 11):
