@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams
-from vllm_wa.workload_classes import ClassRegistry, normalize_tag, TagCounters
+from vllm_wa.workload_classes import ClassRegistry, TagCounters, normalize_tag
 
 
 def test_pr_json_round_trip():

@@ -9,9 +9,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import finish, make_manager, make_request, run_prefill
 from vllm.v1.request import RequestStatus
 
-from conftest import finish, make_manager, make_request, run_prefill
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.engine_patch.install import install_wa_queue
@@ -83,7 +83,7 @@ def test_outcome_reports_reclassify_engine_blocks():
     m = make_manager(20)
     handles = []
 
-    def install(sink, registry, key):
+    def install(sink, registry, key, conversations):
         h = install_wa_queue(m.block_pool, None, sink=sink, registry=registry, class_key=FeatureKey(("tag", "outcome")))
         h.tagger.request_key = external_request_id
         handles.append(h)

@@ -21,6 +21,9 @@ from vllm_wa.controller.tuner import TunerSettings
 from vllm_wa.params import SCORE_MODES
 
 FAMILIES = ("exponential", "hyperexponential")
+# What the miniature caches see: hash-sampled blocks of every prompt, or the
+# whole chains of hash-sampled conversations.
+SHADOW_SAMPLING = ("block", "chain")
 
 
 class ConfigError(ValueError):
@@ -65,10 +68,12 @@ class ControllerConfig:
     """See ``configs/controller.toml`` for what each knob does."""
 
     refit_interval_s: float = 5.0
+    fit_interval_s: float = 30.0
     memory_s: float = 1800.0
     min_samples: float = 30.0
     sample_rate: float | None = None
     shadow_blocks: int = 4096
+    shadow_sampling: str = "block"
     ghost_factor: float = 4.0
     max_watch_s: float = 7200.0
     drift_delta: float = 0.002
@@ -93,7 +98,7 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "refit_interval_s", "memory_s", "shadow_blocks", "ghost_factor", "max_watch_s",
+            "refit_interval_s", "fit_interval_s", "memory_s", "shadow_blocks", "ghost_factor", "max_watch_s",
             "drift_delta", "event_capacity", "checkpoint_interval_s", "tuner_window_s", "max_classes",
             "tuner_demote_window_s", "tuner_batch_s", "tuner_min_batches",
         )
@@ -118,6 +123,8 @@ class ControllerConfig:
             raise ConfigError(f"drift_forget must be in (0, 1], got {self.drift_forget!r}")
         if self.sample_rate is not None and not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
+        if self.shadow_sampling not in SHADOW_SAMPLING:
+            raise ConfigError(f"shadow_sampling must be one of {SHADOW_SAMPLING}, got {self.shadow_sampling!r}")
         if self.max_classes < 3:
             raise ConfigError("max_classes must be at least 3")
         for i, c in enumerate(self.candidates):

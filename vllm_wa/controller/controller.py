@@ -34,18 +34,19 @@ from typing import Any
 import numpy as np
 
 from vllm_wa.controller.config import CandidateSpec, ControllerConfig
-from vllm_wa.controller.estimators import FitState, ReuseEstimator, fit_model
-from vllm_wa.controller.features import FINEST, FeatureKey
+from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, pooled
+from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
 from vllm_wa.controller.tuner import LRU, Tuner
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
 from vllm_wa.params import ParamsError, ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 MAX_FINE_CLASSES = 1024
 
 
@@ -55,7 +56,7 @@ class Candidate:
     shadow: ShadowCache
     key: FeatureKey | None
     params: WAParams = field(default_factory=WAParams.lru)
-    fits: dict[str, FitState] = field(default_factory=dict)
+    fits: dict[str, ModelFit] = field(default_factory=dict)
 
 
 def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
@@ -66,21 +67,24 @@ def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
 def start_online(
     config: ControllerConfig,
     cache_blocks: int,
-    install: Callable[[EventSink, ClassRegistry, FeatureKey], tuple[Any, Any]],
+    install: Callable[[EventSink, ClassRegistry, FeatureKey, ConversationTracker], tuple[Any, Any]],
     clock: Callable[[], float] = time.monotonic,
     prior: WAParams | None = None,
 ) -> WAController:
     """Wire a live queue to a new controller (the engine and the replay share this).
 
-    ``install(sink, registry, class_key)`` puts the workload-aware queue in
-    place and returns ``(queue, tagger)``; swaps go to both.
+    ``install(sink, registry, class_key, conversations)`` puts the
+    workload-aware queue in place and returns ``(queue, tagger)``; swaps go
+    to both.
     """
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
-    sink = EventSink(capacity=config.event_capacity, sample_rate=rate)
+    chain = sample_rate_for(cache_blocks, config.shadow_blocks) if config.shadow_sampling == "chain" else None
+    sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain)
     registry = ClassRegistry(max_classes=config.max_classes)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
-    queue, tagger = install(sink, registry, key)
+    conversations = ConversationTracker(max_age_s=config.max_watch_s)
+    queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
         prior = WAParams.load(config.seed_params)
 
@@ -122,6 +126,11 @@ class WAController:
         self.prior = prior if prior is not None else WAParams.lru(source="prior")
         rate = sink.sample_rate
         sampled_cache = max(2, int(round(cache_blocks * rate)))
+        # Finest classes: every feature some candidate's key uses (the others
+        # are folded), interned up to MAX_FINE_CLASSES.
+        used = {f for c in config.all_candidates for f in c.features if not c.lru}
+        self._fold = tuple(i for i, f in enumerate(FEATURES) if f not in used)
+        self._other_fine = ("other",) + ("*",) * (len(FEATURES) - 1)
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
         self.estimators: list[ReuseEstimator] = []
@@ -132,6 +141,7 @@ class WAController:
             on_reuse=self._on_reuse,
             on_censored=self._on_censored,
         )
+        self._chain = sink.chain_rate is not None
         self._shadow_threshold = int(min(1.0, sample_rate_for(cache_blocks, config.shadow_blocks) / rate) * (1 << 64))
         self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
         self.candidates: dict[str, Candidate] = {}
@@ -160,6 +170,7 @@ class WAController:
         self.drift_events: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
+        self._last_fit = -math.inf
         # The state as of the last refit, published for other threads (the
         # engine loop serves /wa/params from it while a refit may be running).
         self.snapshot: dict[str, Any] | None = None
@@ -170,7 +181,7 @@ class WAController:
         fid = self._fine_ids.get(comps)
         if fid is None:
             if len(self._fine) >= MAX_FINE_CLASSES:
-                comps = ("other", comps[1], comps[2], comps[3])
+                comps = self._other_fine
                 fid = self._fine_ids.get(comps)
                 if fid is not None:
                     return fid
@@ -183,17 +194,29 @@ class WAController:
         return fid
 
     def _on_reuse(self, fid: int, gap: float) -> None:
-        if self.estimators[fid].update(gap=gap):
+        if self.estimators[fid].update(gap):
             self.drift_events.append({"time": self.clock(), "class": FINEST.name_of(self._fine[fid])})
 
     def _on_censored(self, fid: int, exposure: float) -> None:
-        self.estimators[fid].update(exposure=exposure)
+        self.estimators[fid].censor(exposure)
 
-    def _shadow_hashes(self, hashes: Any) -> list:
+    def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
+        comps = FINEST.components(request, position, reuse_count)
+        if self._fold:
+            comps = list(comps)
+            for i in self._fold:
+                comps[i] = "*"
+            comps = tuple(comps)
+        return comps
+
+    def _shadow_hashes(self, ev: Any) -> list:
+        """The hashes a lookup brings to the miniature caches (see ``shadow_sampling``)."""
+        if self._chain:
+            return [h for _, h in ev.chain]
         thr = self._shadow_threshold
         if thr >= 1 << 64:
-            return [h for _, h in hashes]
-        return [h for _, h in hashes if hash_sample_value(h) < thr]
+            return [h for _, h in ev.hashes]
+        return [h for _, h in ev.hashes if hash_sample_value(h) < thr]
 
     @property
     def active(self) -> str:
@@ -208,19 +231,19 @@ class WAController:
         for ev in events:
             kind = ev.kind
             if kind == EventKind.FREED:
-                comps = FINEST.components(ev.tag, ev.outcome, ev.position, ev.reuse_count)
+                comps = self._finest(ev.request, ev.position, ev.reuse_count)
                 tracker.freed(ev.block_hash, self._fine_id(comps), ev.time)
             elif kind == EventKind.EVICTED:
                 tracker.evicted(ev.block_hash, ev.time)
             elif kind == EventKind.LOOKUP:
                 tracker.looked_up(ev.hashes, ev.time)
-                hs = self._shadow_hashes(ev.hashes)
+                hs = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
                     # The same sampled request in every miniature cache: paired evidence.
                     record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows])
             elif kind == EventKind.FINISHED:
                 for s in shadows:
-                    s.finish(ev.request_id, ev.outcome, ev.time)
+                    s.finish(ev.request_id, ev.request, ev.time)
         self.events_processed += len(events)
 
     # ---- the job ----------------------------------------------------------------------------
@@ -246,12 +269,16 @@ class WAController:
         self.tracker.expire(now)
         for cand in self.candidates.values():
             cand.shadow.expire(now, self.config.max_watch_s)
-        at_risk = self._at_risk(now)
-        for cand in self.candidates.values():
-            if cand.spec.lru:
-                continue
-            cand.params = self._fit_candidate(cand, at_risk)
-            cand.shadow.set_params(cand.params)
+        if now - self._last_fit >= self.config.fit_interval_s:
+            # Fits move slowly (forgetting scales every count alike); the
+            # tuner still decides, and swaps land, at every refit.
+            self._last_fit = now
+            at_risk = self._at_risk(now)
+            for cand in self.candidates.values():
+                if cand.spec.lru:
+                    continue
+                cand.params = self._fit_candidate(cand, at_risk)
+                cand.shadow.set_params(cand.params)
         if self.config.tuner_enabled:
             sw = self.tuner.decide(now)
             if sw is not None:
@@ -271,9 +298,9 @@ class WAController:
         n = len(self.tracker)
         if not n:
             return {}
-        arr = np.fromiter((x for e in self.tracker.at_risk(now) for x in e), dtype=np.float64, count=2 * n)
-        fids = arr[0::2].astype(np.int64)
-        bins = bin_exposures(arr[1::2])
+        arr = self.tracker.at_risk_array(now)
+        fids = arr[:, 0].astype(np.int64)
+        bins = bin_exposures(arr[:, 1])
         counts = np.zeros((len(self._fine), NUM_BINS))
         np.add.at(counts, (fids, bins), 1.0)
         return {int(f): SurvivalData(np.zeros(NUM_BINS), counts[f]) for f in np.flatnonzero(counts.sum(axis=1))}
@@ -281,29 +308,20 @@ class WAController:
     def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
         spec, key = cand.spec, cand.key
         assert key is not None
-        pooled: dict[str, SurvivalData] = {}
-        total = SurvivalData()
+        members: dict[str, list[int]] = {}
         for fid, comps in enumerate(self._fine):
-            name = key.name_of(comps)
-            d = pooled.get(name)
-            if d is None:
-                d = pooled[name] = SurvivalData()
-            d += self.estimators[fid].data
-            if fid in at_risk:
-                d += at_risk[fid]
+            members.setdefault(key.name_of(comps), []).append(fid)
         models: dict[str, ReuseModel] = {}
-        for name, d in pooled.items():
+        total = SurvivalData()
+        for name, fids in members.items():
+            d = pooled((self.estimators[f] for f in fids), *(at_risk[f] for f in fids if f in at_risk))
             total += d
             if d.n_events < self.config.min_samples:
                 continue
-            m = fit_model(d, spec.family, cand.fits.setdefault(name, FitState()))
+            m = self._model_fit(cand, name).get(d)
             if m is not None:
                 models[name] = m
-        default = (
-            fit_model(total, spec.family, cand.fits.setdefault("\0default", FitState()))
-            if total.n_events >= self.config.min_samples
-            else None
-        )
+        default = self._model_fit(cand, "\0default").get(total) if total.n_events >= self.config.min_samples else None
         if not models:
             return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, source="prior")
         return WAParams(
@@ -313,6 +331,13 @@ class WAController:
             mode=spec.mode,
             source=f"online:{spec.name}",
         )
+
+    @staticmethod
+    def _model_fit(cand: Candidate, name: str) -> ModelFit:
+        fit = cand.fits.get(name)
+        if fit is None:
+            fit = cand.fits[name] = ModelFit(cand.spec.family)
+        return fit
 
     def _target(self) -> tuple[WAParams, FeatureKey | None, str]:
         """What the live queue should run: the pin, or the tuner's candidate."""
@@ -484,7 +509,7 @@ class WAController:
             restored: list[tuple[tuple, SurvivalData]] = []
             for c in classes:
                 comps = tuple(c["components"])
-                if len(comps) != 4:
+                if len(comps) != len(FEATURES):
                     raise ValueError("bad class components")
                 restored.append((comps, SurvivalData.from_state(c["data"])))
             params = WAParams.from_pr_json(data["params"])

@@ -76,13 +76,17 @@ class ShadowCache:
         self.lookups += len(hashes)
         return n_hit
 
-    def finish(self, request_id: str, outcome: str | None, t: float) -> None:
+    def finish(self, request_id: str, request: RequestTags | None, t: float) -> None:
+        """The request released its blocks in the engine; ``request`` is what it
+        was filed under there (tag, outcome, turn timing), None if it held none."""
         self.clock.t = t
         tag = self._tags.pop(request_id, None)
         if tag is None:
             return
         del self._since[request_id]
-        self.cache.release(request_id, t, RequestTags(request_id, tag, outcome))
+        if request is None:
+            request = RequestTags(request_id, tag)
+        self.cache.release(request_id, t, request)
 
     def expire(self, now: float, max_hold_s: float) -> int:
         """Release requests held longer than ``max_hold_s`` (their finish was lost)."""

@@ -3,9 +3,12 @@
 The engine hooks (and the replay drivers, through the same object) call
 :meth:`BlockTagger.on_lookup` when a request's prompt is matched against the
 prefix cache and :meth:`BlockTagger.on_free` just before its blocks go back
-to the pool.  The tagger files every block under the class computed by a
-replaceable class-key function of the request, the block's position in it and
-how often the block has been reused, and emits the per-request events.
+to the pool.  At the lookup the request is placed in its conversation
+(:mod:`vllm_wa.engine_patch.conversations`: turn, think time, growth); at
+the free every block is filed under the class computed by a replaceable
+class-key function of the request (tag, outcome, timing, reply length), the
+block's position in it and how often the block has been reused, and the
+per-request events are emitted.
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ from typing import Any, Protocol
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.engine_patch.conversations import ConversationTracker, TurnTiming
+from vllm_wa.engine_patch.events import (
+    EventKind,
+    EventSink,
+    FinishedEvent,
+    FreedEvent,
+    LookupEvent,
+    TurnEvent,
+)
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
 
@@ -33,11 +44,17 @@ ENGINE_FINAL_OUTCOMES = ("abort", "error")
 
 @dataclass(frozen=True, slots=True)
 class RequestTags:
-    """What the class key may know about a request."""
+    """What the class key may know about a request.
+
+    ``timing`` is filled in by the tagger from the request's lookup;
+    ``outcome`` and ``reply_tokens`` are known when it finishes.
+    """
 
     request_id: str
     tag: str = DEFAULT_CLASS
     outcome: str | None = None
+    reply_tokens: int = 0
+    timing: TurnTiming | None = None
 
 
 class ClassKeyFunction(Protocol):
@@ -66,6 +83,16 @@ class _FreedRequest:
     tags: RequestTags
     serial: int
     block_ids: list[int]
+    turn: Any = None  # its conversation tip, labelled when the next turn comes
+
+
+@dataclass(frozen=True, slots=True)
+class _Lookup:
+    """A looked-up request until it frees its blocks."""
+
+    timing: TurnTiming
+    tips: tuple  # its prompt's last full block hashes
+    prompt_blocks: int
 
 
 class BlockTagger:
@@ -77,6 +104,8 @@ class BlockTagger:
         sink: where lookup and finished events go (None: none).
         class_key: the class-key function (default: the tag alone).
         remember_finished: how many freed requests :meth:`reclassify` can reach.
+        conversations: the conversation tracker (None: requests get no turn
+            timing, as in the miniature caches, which are told it).
     """
 
     def __init__(
@@ -87,6 +116,7 @@ class BlockTagger:
         sink: EventSink | None = None,
         class_key: ClassKeyFunction | None = None,
         remember_finished: int = 4096,
+        conversations: ConversationTracker | None = None,
     ) -> None:
         self.queue = queue
         self.blocks = blocks
@@ -98,9 +128,15 @@ class BlockTagger:
         # The hash a block had when its reuse count was last updated: a block
         # that was evicted and refilled starts counting again.
         self._counted_hash: list[Any] = [None] * n
+        # The hash a block's sampling flag was computed for (hashing every
+        # block at every lookup and free would cost more than the eviction).
+        self._flagged_hash: list[Any] = [None] * n
         self._owner = [0] * n
         self._serial = 0
-        self._looked_up: dict[str, int] = {}
+        self._looked_up: dict[str, _Lookup | None] = {}
+        self.conversations = conversations
+        if conversations is not None and sink is not None:
+            conversations.on_label = self._emit_label
         # Freed requests by the key late facts arrive under (see request_key);
         # several engine requests (n > 1) can share one key.
         self._finished: OrderedDict[str, list[_FreedRequest]] = OrderedDict()
@@ -116,9 +152,11 @@ class BlockTagger:
 
     # ---- tags ----------------------------------------------------------------------
 
-    def request_tags(self, request_id: str, raw_tag: Any, outcome: str | None = None) -> RequestTags:
+    def request_tags(
+        self, request_id: str, raw_tag: Any, outcome: str | None = None, reply_tokens: int = 0
+    ) -> RequestTags:
         """Validated tags of a request (bad tags are counted, never raised)."""
-        return RequestTags(request_id, normalize_tag(raw_tag, self.tag_counters), outcome)
+        return RequestTags(request_id, normalize_tag(raw_tag, self.tag_counters), outcome, reply_tokens)
 
     def set_class_key(self, class_key: ClassKeyFunction) -> None:
         """Swap the class-key function (takes effect at the next free)."""
@@ -146,16 +184,21 @@ class BlockTagger:
         rid = req.request_id
         if rid in self._looked_up:
             return
-        self._looked_up[rid] = len(hit_blocks)
-        self.count_reuse(hit_blocks)
         if now is None:
             now = self.queue.clock()
-        self._record_free_hits(hit_blocks, now)
+        convs = self.conversations
+        timing = None
+        if convs is not None:
+            timing = convs.lookup(block_hashes, len(hit_blocks), now)
+            self._looked_up[rid] = _Lookup(timing, tuple(block_hashes[-2:]), len(block_hashes))
+        else:
+            self._looked_up[rid] = None
+        self.count_reuse(hit_blocks)
+        self._record_free_hits(hit_blocks)
         # Hit accounting is per workload tag (the outcome is not known yet).
         tag_id = self.queue.registry.id_of(req.tag)
         self.hit_blocks_by_class[tag_id] += len(hit_blocks)
         self.queried_blocks_by_class[tag_id] += len(block_hashes)
-        cls = self.queue.registry.id_of(self.class_key(req, 0, 0))
         sink = self.sink
         if sink is None:
             return
@@ -164,38 +207,46 @@ class BlockTagger:
         elif sink.lookup_hashes == "all":
             hashes = tuple(enumerate(block_hashes))
         else:
-            is_sampled = sink.is_sampled
-            hashes = tuple((i, h) for i, h in enumerate(block_hashes) if is_sampled(h))
+            hashes = self._sampled_positions(hit_blocks, block_hashes)
+        chain: tuple = ()
+        if timing is not None and sink.chain_sampled(timing.conversation):
+            chain = tuple((i, block_hashes[i]) for i in range(timing.start, len(block_hashes)))
         if to_key is not None:
             hashes = tuple((i, to_key(h)) for i, h in hashes)
-        sink.emit(
-            LookupEvent(
-                EventKind.LOOKUP,
-                now,
-                rid,
-                req.tag,
-                cls,
-                len(hit_blocks),
-                len(block_hashes),
-                hashes,
-            )
-        )
+            chain = tuple((i, to_key(h)) for i, h in chain)
+        sink.emit(LookupEvent(EventKind.LOOKUP, now, rid, req.tag, hashes, chain))
 
-    def _record_free_hits(self, hit_blocks: Sequence[KVCacheBlock], now: float) -> None:
-        """Count (and sample) hits on blocks that sat in the free list."""
-        queue = self.queue
-        cls_of, stamp_of, reused = queue.block_class, queue.stamp, queue.counters.reused
-        sink = self.sink
-        sampled = queue.sampled
-        all_ = sink is not None and sink.samples_all
+    def _sampled_positions(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
+        """``(position, hash)`` of the sampled prompt blocks: the cached prefix
+        by its blocks' flags, the rest by hashing."""
+        self._update_flags(hit_blocks)
+        sampled = self.queue.sampled
+        out = [(i, block_hashes[i]) for i, b in enumerate(hit_blocks) if sampled[b.block_id]]
+        is_sampled = self.sink.is_sampled
+        for i in range(len(hit_blocks), len(block_hashes)):
+            if is_sampled(block_hashes[i]):
+                out.append((i, block_hashes[i]))
+        return tuple(out)
+
+    def _update_flags(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Set each block's sampling flag, computed once per hash it holds."""
+        sampled, flagged = self.queue.sampled, self._flagged_hash
+        is_sampled = self.sink.is_sampled
+        for b in blocks:
+            h = b._block_hash
+            bid = b.block_id
+            if flagged[bid] is not h:
+                flagged[bid] = h
+                sampled[bid] = h is not None and is_sampled(h)
+
+    def _record_free_hits(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
+        """Count hits on blocks that sat in the free list, per class."""
+        cls_of, reused = self.queue.block_class, self.queue.counters.reused
         for b in hit_blocks:
             if b.ref_cnt == 0 and b.next_free_block is not None:
-                bid = b.block_id
-                c = cls_of[bid]
+                c = cls_of[b.block_id]
                 if c < len(reused):
                     reused[c] += 1
-                    if sink is not None and (all_ or sampled[bid]):
-                        sink.emit(BlockEvent(EventKind.REUSED, now, c, now - stamp_of[bid], b._block_hash))
 
     def count_reuse(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
         """One more prefix hit on each of ``hit_blocks``."""
@@ -211,7 +262,9 @@ class BlockTagger:
     def on_free(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
         """``blocks`` (in allocation order) are about to be released by ``req``."""
         rid = req.request_id
-        self._looked_up.pop(rid, None)
+        look = self._looked_up.pop(rid, None)
+        if now is None:
+            now = self.queue.clock()
         key = self.request_key(rid)
         pending = self._pending_outcome.pop(key, None)
         if pending is not None and req.outcome not in ENGINE_FINAL_OUTCOMES:
@@ -219,7 +272,9 @@ class BlockTagger:
             # stop or length (such replies end with a plain stop).
             req = replace(req, outcome=pending)
             self.reclassified_requests += 1
-        self.file_blocks(req, blocks)
+        if look is not None and req.timing is None:
+            req = replace(req, timing=look.timing)
+        self.file_blocks(req, blocks, now)
         self._serial += 1
         serial = self._serial
         owner = self._owner
@@ -229,28 +284,20 @@ class BlockTagger:
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
-        recs.append(_FreedRequest(req, serial, ids))
+        rec = _FreedRequest(req, serial, ids)
+        recs.append(rec)
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
-        sink = self.sink
-        if sink is not None:
-            sink.emit(
-                FinishedEvent(
-                    EventKind.FINISHED,
-                    self.queue.clock() if now is None else now,
-                    rid,
-                    req.tag,
-                    req.outcome,
-                    len(ids),
-                )
-            )
+        if look is not None and self.conversations is not None:
+            rec.turn = self.conversations.finished(look.timing, look.tips, look.prompt_blocks, req, now)
+        if self.sink is not None:
+            self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
-    def file_blocks(self, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+    def file_blocks(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
         """Write the class (and sampling flag) each block is freed into."""
         queue = self.queue
         cls_of = queue.block_class
-        sampled = queue.sampled
         sink = self.sink
         want_flags = sink is not None and not sink.samples_all
         key = self.class_key
@@ -270,25 +317,21 @@ class BlockTagger:
         if sink is None:
             return
         if want_flags:
-            is_sampled = sink.is_sampled
-            for b in blocks:
-                h = b._block_hash
-                sampled[b.block_id] = h is not None and is_sampled(h)
-        self._emit_freed(req, blocks)
+            self._update_flags(blocks)
+        self._emit_freed(req, blocks, self.queue.clock() if now is None else now)
 
-    def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+    def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
         """A FREED event for each sampled block this release puts on the free list."""
         sink = self.sink
         sampled = self.queue.sampled
         all_ = sink.samples_all
-        now = self.queue.clock()
         counts, counted = self.reuse_count, self._counted_hash
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
             if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
                 reuse = counts[bid] if counted[bid] == h else 0
-                sink.emit(FreedEvent(EventKind.FREED, now, h, req.tag, req.outcome, pos, reuse))
+                sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
 
     # ---- late facts --------------------------------------------------------------------
 
@@ -312,6 +355,8 @@ class BlockTagger:
     def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
         req = replace(rec.tags, outcome=outcome)
         rec.tags = req
+        if rec.turn is not None:
+            rec.turn.features = req
         self.reclassified_requests += 1
         queue = self.queue
         owner = self._owner
@@ -339,9 +384,13 @@ class BlockTagger:
     def forget(self, request_id: str, now: float | None = None) -> None:
         """A request left without holding blocks (it did not fit, or was aborted
         while waiting): drop its lookup and tell consumers it is finished."""
-        if self._looked_up.pop(request_id, None) is None:
+        if request_id not in self._looked_up:
             return
+        del self._looked_up[request_id]
         sink = self.sink
         if sink is not None:
             t = self.queue.clock() if now is None else now
-            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, DEFAULT_CLASS, None, 0))
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, None))
+
+    def _emit_label(self, features: RequestTags, delay: float | None, exposure: float, now: float) -> None:
+        self.sink.emit(TurnEvent(EventKind.TURN, now, features, delay, exposure))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink
+from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent
 from vllm_wa.params import ClassScorer, ParamsError, WAParams
 from vllm_wa.workload_classes import DEFAULT_CLASS, ClassRegistry
 
@@ -336,7 +336,7 @@ class WorkloadAwareFreeQueue:
             if b is tail or not k:
                 self._sel_dirty = True
             if k and self.sink is not None:
-                self._emit_evicted(out, start, c, now)
+                self._emit_evicted(out, start, now)
 
     def _head_keys(self, active: _ActiveParams, now: float) -> dict[int, tuple[float, float]]:
         """Exact (score, stamp) of every non-empty class's head at ``now``."""
@@ -374,16 +374,15 @@ class WorkloadAwareFreeQueue:
         self._sel_active = active
         self._sel_dirty = False
 
-    def _emit_evicted(self, out: list[KVCacheBlock], start: int, c: int, now: float) -> None:
+    def _emit_evicted(self, out: list[KVCacheBlock], start: int, now: float) -> None:
         sink = self.sink
         sampled = self.sampled
         all_ = sink.samples_all
-        stamp_of = self.stamp
         for i in range(start, len(out)):
             b = out[i]
             h = b._block_hash
             if h is not None and (all_ or sampled[b.block_id]):
-                sink.emit(BlockEvent(EventKind.EVICTED, now, c, now - stamp_of[b.block_id], h))
+                sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         """Free blocks in the order they would be evicted now (non-destructive)."""

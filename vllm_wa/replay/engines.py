@@ -44,7 +44,9 @@ class FastEngine:
 
     def release(self, req: TraceRequest) -> None:
         tagger = self.policy.tagger
-        tags = tagger.request_tags(req.request_id, req.tag, _outcome(req)) if tagger is not None else None
+        tags = None
+        if tagger is not None:
+            tags = tagger.request_tags(req.request_id, req.tag, _outcome(req), req.output_tokens)
         self.cache.release(req.request_id, self.clock.t, tags)
 
 
@@ -53,7 +55,9 @@ class VLLMEngine:
 
     Every trace block becomes ``tokens_per_block`` token ids derived from its
     hash id, so vLLM's chained block hashing reproduces the trace's prefix
-    structure; the manager's block size is ``tokens_per_block``.
+    structure; the manager's block size is ``tokens_per_block``.  Nothing is
+    generated (the trace's next prompt carries a reply as blocks of its own),
+    so the engine hooks see replies of length 0.
     """
 
     def __init__(

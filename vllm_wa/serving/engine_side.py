@@ -20,6 +20,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FEATURES, FeatureKey
 from vllm_wa.engine_patch.block_tagger import OUTCOMES
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
 from vllm_wa.params import ParamsError, WAParams
@@ -68,8 +69,10 @@ def _attach(sched: Any) -> None:
     pool = manager.block_pool
     handles: list[WAHandle] = []
 
-    def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
-        h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key)
+    def install(
+        sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
+    ) -> tuple[Any, Any]:
+        h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key, conversations=conversations)
         h.tagger.request_key = external_request_id
         handles.append(h)
         return h.queue, h.tagger
