@@ -26,7 +26,6 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, sample_rate_for
-from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.params import ReuseModel, WAParams

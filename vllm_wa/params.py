@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from vllm_wa.validation import check_number
+
 SCORE_MODES = ("pr", "posterior")
 DEFAULT_HORIZON_S = 5.0
 _NEG_INF = float("-inf")
@@ -39,15 +41,9 @@ class ParamsError(ValueError):
     """Raised for parameters that must not reach the queue."""
 
 
-def _check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ParamsError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ParamsError(f"{name} must be finite, got {value!r}")
-    if value < lo or value > hi:
-        raise ParamsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
-    return value
+def _check_number(name: str, value: Any, *, hi: float = math.inf) -> float:
+    """A finite number in ``[0, hi]``, or ``ParamsError`` naming it."""
+    return check_number(name, value, ge=0.0, le=hi, error=ParamsError)
 
 
 def _logsumexp(terms: list[float]) -> float:

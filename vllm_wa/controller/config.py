@@ -6,20 +6,15 @@ bad value is an error that names the key.
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from vllm_wa.controller.features import FEATURES
+from vllm_wa.fileio import TOMLDecodeError, read_toml
+from vllm_wa.params import SCORE_MODES
+from vllm_wa.validation import check_number
 
 FAMILIES = ("exponential", "hyperexponential")
-MODES = ("pr", "posterior")
 
 
 class ConfigError(ValueError):
@@ -87,23 +82,20 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "refit_interval_s", "memory_s", "shadow_blocks", "ghost_factor", "max_watch_s",
-            "drift_delta", "event_capacity", "checkpoint_interval_s", "tuner_window_s", "max_classes",
+            "refit_interval_s", "memory_s", "ghost_factor", "max_watch_s",
+            "drift_delta", "checkpoint_interval_s", "tuner_window_s",
         )
         for name in positive:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {v!r}")
-        for name in ("min_samples", "tuner_margin", "tuner_hold_s", "tuner_min_lookups"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
-        if not 0.0 < self.drift_forget <= 1.0:
-            raise ConfigError(f"drift_forget must be in (0, 1], got {self.drift_forget!r}")
-        if self.sample_rate is not None and not 0.0 < self.sample_rate <= 1.0:
-            raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
-        if self.max_classes < 3:
-            raise ConfigError("max_classes must be at least 3")
+            check_number(name, getattr(self, name), gt=0, error=ConfigError)
+        for name in ("shadow_blocks", "event_capacity"):
+            check_number(name, getattr(self, name), gt=0, integer=True, error=ConfigError)
+        for name in ("min_samples", "tuner_margin", "tuner_hold_s"):
+            check_number(name, getattr(self, name), ge=0, error=ConfigError)
+        check_number("tuner_min_lookups", self.tuner_min_lookups, ge=0, integer=True, error=ConfigError)
+        check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
+        if self.sample_rate is not None:
+            check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
+        check_number("max_classes", self.max_classes, ge=3, integer=True, error=ConfigError)
         for i, c in enumerate(self.candidates):
             where = f"candidates[{i}]"
             if not isinstance(c, CandidateSpec):
@@ -113,10 +105,9 @@ class ControllerConfig:
                 raise ConfigError(f"{where}.features has unknown features {bad}; expected some of {FEATURES}")
             if c.family not in FAMILIES:
                 raise ConfigError(f"{where}.family must be one of {FAMILIES}, got {c.family!r}")
-            if c.mode not in MODES:
-                raise ConfigError(f"{where}.mode must be one of {MODES}, got {c.mode!r}")
-            if not (isinstance(c.horizon, (int, float)) and math.isfinite(c.horizon) and c.horizon > 0):
-                raise ConfigError(f"{where}.horizon must be a positive number of seconds, got {c.horizon!r}")
+            if c.mode not in SCORE_MODES:
+                raise ConfigError(f"{where}.mode must be one of {SCORE_MODES}, got {c.mode!r}")
+            check_number(f"{where}.horizon", c.horizon, gt=0, error=ConfigError)
         names = [c.name for c in self.all_candidates]
         if len(set(names)) != len(names):
             raise ConfigError(f"candidates must differ; got duplicates in {names}")
@@ -185,11 +176,10 @@ class ControllerConfig:
     @classmethod
     def load(cls, path: str) -> ControllerConfig:
         try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
+            data = read_toml(path)
         except OSError as e:
             raise ConfigError(f"cannot read controller config {path}: {e}") from e
-        except tomllib.TOMLDecodeError as e:
+        except TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
         try:
             return cls.from_dict(data)

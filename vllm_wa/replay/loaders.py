@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from vllm_wa.replay.trace import Trace, TraceRequest
+from vllm_wa.validation import check_number
 
 FORMATS = ("bailian", "mooncake", "agentic")
 BAILIAN_BLOCK = 16
@@ -136,17 +137,11 @@ def _json_lines(path: str) -> Iterator[tuple[int, str]]:
 
 
 def _int_field(rec: dict, key: str, *, lo: int = 0) -> int:
-    v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or v != int(v):
-        raise ValueError(f"field {key!r} must be an integer >= {lo}, got {v!r}")
-    return int(v)
+    return int(check_number(f"field {key!r}", rec.get(key), ge=lo, integer=True))
 
 
 def _float_field(rec: dict, key: str) -> float:
-    v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"field {key!r} must be a non-negative number, got {v!r}")
-    return float(v)
+    return check_number(f"field {key!r}", rec.get(key), ge=0)
 
 
 def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0) -> array:

@@ -1,0 +1,47 @@
+"""The one check for numbers that come from outside (configs, params, traces, checkpoints).
+
+Every loader raises its own error type (``ParamsError``, ``ConfigError``,
+``ValueError``...), so the caller passes it; the message always names the
+value (``where``) and says what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def check_number(
+    where: str,
+    value: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    integer: bool = False,
+    error: type[Exception] = ValueError,
+) -> float:
+    """``value`` (a float; an int with ``integer``) once it is a finite number within the bounds.
+
+    Booleans are not numbers here (``True`` is an ``int`` in Python).  With
+    ``integer``, integral floats (``3.0``, as JSON may spell them) pass and
+    others fail.  ``ge`` and ``le``
+    together read as the interval ``[ge, le]`` (``le`` may be ``inf``).
+    """
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{where} must be {kind}, got {value!r}")
+    if not math.isfinite(value):
+        raise error(f"{where} must be finite, got {value!r}")
+    if integer and value != int(value):
+        raise error(f"{where} must be {kind}, got {value!r}")
+    if ge is not None and le is not None:
+        if not ge <= value <= le:
+            raise error(f"{where} must be in [{ge}, {le}], got {value!r}")
+    elif ge is not None and not value >= ge:
+        raise error(f"{where} must be >= {ge:g}, got {value!r}")
+    elif le is not None and not value <= le:
+        raise error(f"{where} must be <= {le:g}, got {value!r}")
+    if gt is not None and not value > gt:
+        raise error(f"{where} must be > {gt:g}, got {value!r}")
+    return int(value) if integer else float(value)
