@@ -25,14 +25,18 @@ def check_number(
 
     Booleans are not numbers here (``True`` is an ``int`` in Python).  With
     ``integer``, integral floats (``3.0``, as JSON may spell them) pass and
-    others fail.  ``ge`` and ``le``
-    together read as the interval ``[ge, le]`` (``le`` may be ``inf``).
+    others fail.  ``ge`` and ``le`` together read as the interval
+    ``[ge, le]`` (``le`` may be ``inf``).
     """
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise error(f"{where} must be {kind}, got {value!r}")
-    if not math.isfinite(value):
-        raise error(f"{where} must be finite, got {value!r}")
+        raise error(f"{where} must be {kind}, got {_short(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise error(f"{where} must be finite, got {_short(value)}")
     if integer and value != int(value):
         raise error(f"{where} must be {kind}, got {value!r}")
     if ge is not None and le is not None:
@@ -45,3 +49,12 @@ def check_number(
     if gt is not None and not value > gt:
         raise error(f"{where} must be > {gt:g}, got {value!r}")
     return int(value) if integer else float(value)
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut to a readable length (values may be megabytes of untrusted input)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -15,11 +15,8 @@ and in ``vllm-wa replay`` (called at trace time through the replay clock).
 
 from __future__ import annotations
 
-import json
 import logging
-
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from vllm_wa.controller.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointFailures,
+    read_checkpoint,
+    write_checkpoint,
+)
 from vllm_wa.controller.config import CandidateSpec, ControllerConfig
 from vllm_wa.controller.estimators import FitState, ReuseEstimator, fit_model
 from vllm_wa.controller.features import FINEST, FeatureKey
@@ -35,11 +39,10 @@ from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
-from vllm_wa.params import ParamsError, ReuseModel, WAParams
+from vllm_wa.params import ReuseModel, WAParams
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
-CHECKPOINT_VERSION = 1
 MAX_FINE_CLASSES = 1024
 
 
@@ -150,6 +153,7 @@ class WAController:
         self.switches: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
+        self.checkpoint_failures = CheckpointFailures()
         # The state as of the last refit, published for other threads (the
         # engine loop serves /wa/params from it while a refit may be running).
         self.snapshot: dict[str, Any] | None = None
@@ -427,6 +431,8 @@ class WAController:
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
             "last_error": self.last_error,
+            "checkpoint_errors": self.checkpoint_failures.count,
+            "last_checkpoint_error": self.checkpoint_failures.last_error,
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
             "events_dropped": self.sink.dropped,
@@ -437,50 +443,37 @@ class WAController:
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str) -> None:
-        """Atomic write: a crash leaves the old checkpoint or the new one, never half."""
-        data = {
-            "version": CHECKPOINT_VERSION,
-            "active": self.active,
-            "params": self.params.to_pr_json(),
-            "classes": [
-                {"components": list(comps), "data": self.estimators[fid].data.state()}
-                for fid, comps in enumerate(self._fine)
-            ],
-        }
-        tmp = f"{path}.tmp{os.getpid()}"
+    def save_checkpoint(self, path: str) -> bool:
+        """Write a checkpoint (atomically); a failure is counted, never raised."""
+        ckpt = Checkpoint(
+            self.active,
+            self.params,
+            tuple((comps, self.estimators[fid].data) for fid, comps in enumerate(self._fine)),
+        )
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("vllm-wa: cannot write checkpoint %s: %s", path, e)
+            write_checkpoint(path, ckpt)
+        except (OSError, ValueError) as e:
+            self.checkpoint_failures.record(path, e)
+            return False
+        return True
 
     def load_checkpoint(self, path: str) -> bool:
-        """Warm-start from a checkpoint; on any problem, warn and keep the prior."""
+        """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION:
-                raise ValueError(f"unsupported checkpoint version {data.get('version') if isinstance(data, dict) else None!r}")
-            classes = data["classes"]
-            restored: list[tuple[tuple, SurvivalData]] = []
-            for c in classes:
-                comps = tuple(c["components"])
-                if len(comps) != 4:
-                    raise ValueError("bad class components")
-                restored.append((comps, SurvivalData.from_state(c["data"])))
-            params = WAParams.from_pr_json(data["params"])
-            active = data.get("active")
-        except FileNotFoundError:
-            return False
-        except (OSError, ValueError, KeyError, TypeError, ParamsError) as e:
+            ckpt = read_checkpoint(path, max_classes=MAX_FINE_CLASSES)
+        except CheckpointError as e:
             logger.warning("vllm-wa: ignoring checkpoint %s (%s); starting from the prior", path, e)
             return False
-        for comps, d in restored:
+        except Exception:  # noqa: BLE001 - never fail the engine's start over a checkpoint
+            logger.exception("vllm-wa: ignoring checkpoint %s (unexpected error); starting from the prior", path)
+            return False
+        if ckpt is None:
+            return False
+        for comps, d in ckpt.classes:
             fid = self._fine_id(comps)
             self.estimators[fid].data = d
-        if active in self.candidates:
-            self.active = active
-        self.params = params
+        if ckpt.active in self.candidates:
+            self.active = ckpt.active
+        self.params = ckpt.params
+        self.version = max(self.version, ckpt.params.version)
         return True

@@ -106,6 +106,7 @@ ENGINE_GAUGES = {
     "swaps": ("vllm_wa_param_swaps_total", "Parameter swaps into the live queue."),
     "refits": ("vllm_wa_refits_total", "Controller refits."),
     "errors": ("vllm_wa_controller_errors_total", "Controller refits that failed (last good parameters kept)."),
+    "checkpoint_errors": ("vllm_wa_checkpoint_errors_total", "Checkpoint writes that failed."),
     "refit_seconds": ("vllm_wa_refit_duration_seconds", "Wall time of the last controller refit."),
     "events_dropped": ("vllm_wa_events_dropped_total", "Engine events dropped because the event sink was full."),
     "hook_errors": ("vllm_wa_hook_errors_total", "Errors caught in the engine hooks."),

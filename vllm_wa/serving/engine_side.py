@@ -209,6 +209,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
     reg = ewa.handle.registry
     return {
         "events_dropped": ewa.controller.sink.dropped,
+        "checkpoint_errors": ewa.controller.checkpoint_failures.count,
         "hook_errors": ewa.handle.hook_errors,
         "tags_missing": t.tag_counters.missing,
         "tags_invalid": t.tag_counters.invalid,
