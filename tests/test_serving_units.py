@@ -105,7 +105,8 @@ def test_outcome_reports_reclassify_engine_blocks():
     state = engine_side.wa_get_state(core)
     assert state["enabled"] and state["outcomes_reclassified"] == 1
     metrics = engine_side.wa_get_metrics(core)
-    assert metrics["classes"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
+    assert metrics["tags"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
+    assert set(metrics["classes"]) == {"agent.o:stop", "agent.o:tool"}  # a tag takes no class slot
     assert metrics["classes"]["agent.o:tool"]["freed"] == 3
     json.dumps(state), json.dumps(metrics)  # plain data for the utility channel
 

@@ -13,6 +13,7 @@ from vllm_wa.controller.features import FEATURES
 from vllm_wa.fileio import TOMLDecodeError, read_toml
 from vllm_wa.params import SCORE_MODES
 from vllm_wa.validation import check_number
+from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES
 
 FAMILIES = ("exponential", "hyperexponential")
 
@@ -68,7 +69,8 @@ class ControllerConfig:
     drift_delta: float = 0.002
     drift_forget: float = 0.25
     event_capacity: int = 1 << 17
-    max_classes: int = 32
+    max_classes: int = DEFAULT_MAX_CLASSES
+    class_retire_s: float = 1800.0
     checkpoint_path: str = ""
     checkpoint_interval_s: float = 60.0
     seed_params: str = ""
@@ -83,7 +85,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         positive = (
             "refit_interval_s", "memory_s", "ghost_factor", "max_watch_s",
-            "drift_delta", "checkpoint_interval_s", "tuner_window_s",
+            "drift_delta", "checkpoint_interval_s", "tuner_window_s", "class_retire_s",
         )
         for name in positive:
             check_number(name, getattr(self, name), gt=0, error=ConfigError)

@@ -75,7 +75,7 @@ def start_online(
     """
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
     sink = EventSink(capacity=config.event_capacity, sample_rate=rate)
-    registry = ClassRegistry(max_classes=config.max_classes)
+    registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
     queue, tagger = install(sink, registry, key)

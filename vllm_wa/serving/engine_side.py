@@ -176,23 +176,34 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
     t = ewa.handle.tagger
     bs = ewa.block_size
     params = c.params
-    classes = {}
-    for cid in range(min(len(reg), q.num_classes_cap)):
+    # Rows only for names in use: no reserved name before it is used, no
+    # tag posing as a class, and no fitted values for a class the active
+    # parameters leave to the default model.
+    classes: dict[str, dict[str, Any]] = {}
+    for cid in reg.used_ids():
         name = reg.name_of(cid)
-        m = params.models.get(name)
-        classes[name] = {
-            "reuse_rate": m.a if m is not None else None,
-            "reuse_probability": m.p if m is not None else None,
-            "hit_tokens": t.hit_blocks_by_class[cid] * bs,
-            "queried_tokens": t.queried_blocks_by_class[cid] * bs,
+        row: dict[str, Any] = {
             "evictions": q.counters.evicted[cid],
             "reuses": q.counters.reused[cid],
             "freed": q.counters.freed[cid],
         }
+        m = params.models.get(name)
+        if m is not None:
+            row["reuse_rate"] = m.a
+            row["reuse_probability"] = m.p
+        classes[name] = row
+    tags = {
+        t.tags.name_of(tid): {
+            "hit_tokens": t.hit_blocks_by_tag[tid] * bs,
+            "queried_tokens": t.queried_blocks_by_tag[tid] * bs,
+        }
+        for tid in t.tags.used_ids()
+    }
     out = {
         "enabled": True,
         "engine": ewa.engine_index,
         "classes": classes,
+        "tags": tags,
         "params_version": c.version,
         "swaps": c.swaps,
         "refits": c.refits,
@@ -213,10 +224,12 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
         "hook_errors": ewa.handle.hook_errors,
         "tags_missing": t.tag_counters.missing,
         "tags_invalid": t.tag_counters.invalid,
-        "tags_over_class_cap": reg.counters.overflow,
+        "tags_over_class_cap": t.tag_counters.over_cap,
+        "releases_over_class_cap": t.releases_over_class_cap,
         "outcomes_reclassified": t.reclassified_requests,
         "invalid_outcome_reports": ewa.invalid_reports,
-        "num_classes": len(reg),
+        "num_classes": len(reg.used_ids()),
+        "num_tags": len(t.tags.used_ids()),
     }
 
 
