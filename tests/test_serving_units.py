@@ -188,3 +188,17 @@ def test_enable_online_keeps_the_operators_metrics_interval(monkeypatch):
     assert settings.metrics_interval_s == 1.5 and settings.allow_pin
     assert installed == [settings]
     assert ServingSettings.from_env() == settings
+
+
+def test_bad_seed_params_in_the_config_refuse_to_start(tmp_path):
+    from vllm_wa.serving import plugin
+
+    bad = tmp_path / "seed.json"
+    bad.write_text('{"a": {"x": 1}, "p": {"x": 9}}')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[controller]\nseed_params = "{bad}"\n')
+    with pytest.raises(SystemExit, match="seed.json"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(cfg), wa_params=None))
+    cfg.write_text(f'[controller]\nseed_params = "{tmp_path / "missing.json"}"\n')
+    with pytest.raises(SystemExit, match="missing.json"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(cfg), wa_params=None))

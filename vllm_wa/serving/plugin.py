@@ -94,7 +94,9 @@ def enable_online(args: Any) -> ServingSettings:
     try:
         check_vllm_version()
         if getattr(args, "wa_config", None):
-            ControllerConfig.load(args.wa_config)
+            config = ControllerConfig.load(args.wa_config)
+            if config.seed_params:  # what the engine core would load 60 s later
+                WAParams.load(config.seed_params)
         if getattr(args, "wa_params", None):
             WAParams.load(args.wa_params)
     except (UnsupportedVLLMError, ConfigError, ParamsError) as e:
