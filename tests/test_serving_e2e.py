@@ -157,16 +157,31 @@ def send_conversations(url: str, n_rounds: int = 6) -> int:
     return served
 
 
-def wa_state(url: str) -> dict:
-    code, body = http("GET", url + "/wa/params")
+def wa_states(url: str) -> list[dict]:
+    code, body = http("GET", url + "/wa/params", key=API_KEY)
     assert code == 200, body
-    engines = json.loads(body)["engines"]
+    return json.loads(body)["engines"]
+
+
+def wa_state(url: str) -> dict:
+    engines = wa_states(url)
     assert len(engines) == 1
     return engines[0]
 
 
+def wait_for_state(url: str, ok, timeout: float = 10.0) -> dict:
+    """The state once ``ok(state)`` holds (GET serves a copy up to one poll interval old)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = wa_state(url)
+        if ok(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.25)
+
+
 def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
     url = wa_server.url
+    assert http("GET", url + "/wa/params")[0] == 401  # it lists every client's tags: the API key guards it
     first = wa_state(url)
     assert first["enabled"] and first["mode"] == "auto"
     pid0 = first["pid"]
@@ -216,9 +231,8 @@ def test_bad_tag_is_served_and_counted(wa_server):
             model="tiny", prompt=text(9, 30), max_tokens=1, extra_body={"vllm_xargs": {"type_info": bad}}
         )
         assert out.choices
-    time.sleep(0.5)
-    st = wa_state(wa_server.url)
-    assert st["tags_invalid"] >= before + 3
+    st = wait_for_state(wa_server.url, lambda s: s["tags_invalid"] >= before + 3)
+    assert st["tags_invalid"] == before + 3  # once per request
     assert "invalid" in " ".join(st["classes"]) or st["tags_invalid"] > 0
 
 

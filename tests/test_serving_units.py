@@ -17,7 +17,8 @@ from vllm_wa.controller.controller import start_online
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
-from vllm_wa.serving.engine_side import EngineWA, external_request_id, parse_pin_request
+from vllm_wa.serving.engine_side import EngineWA, external_request_id
+from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving.settings import ServingSettings
 
 
@@ -140,7 +141,9 @@ def test_plugin_without_flag_patches_no_engine_code():
         "from vllm.v1.engine.core import EngineCore;"
         "import vllm.entrypoints.launchers.app as app;"
         "assert not hasattr(Scheduler.__init__, '__vllm_wa_wrapped__');"
-        "assert not hasattr(EngineCore, 'wa_get_state');"
+        "assert not hasattr(EngineCore, 'wa_get_snapshot');"
+        "import vllm.entrypoints.serve.instrumentator.metrics as m;"
+        "assert not hasattr(m.get_prometheus_registry, '__vllm_wa_wrapped__');"
         "assert not hasattr(app.attach_endpoint_plugins, '__vllm_wa_wrapped__');"
         "print('clean')"
     )

@@ -54,6 +54,10 @@ class _ActiveParams:
 class QueueCounters:
     """Per-class totals of free-list transitions (all blocks, not sampled).
 
+    Each only grows (a retired class's totals start again at zero): they are
+    exported as Prometheus counters.  ``freed`` counts blocks freed into the
+    class and blocks re-filed into it by a late outcome.
+
     ``reused`` is counted by the block tagger at the prefix lookup, which
     knows the request; the queue's ``remove`` stays as cheap as vLLM's.
     """
@@ -467,8 +471,7 @@ class WorkloadAwareFreeQueue:
             prev.next_free_block = b
             after.prev_free_block = b
             cls_of[bid] = new_class
-            counters.freed[old] -= 1
-            counters.freed[new_class] += 1
+            counters.freed[new_class] += 1  # (never decreased: the metrics export counters)
             moved += 1
         if moved:
             counters.reclassified += moved

@@ -18,11 +18,12 @@ from typing import Any
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
-from vllm_wa.controller.features import FEATURES, FeatureKey
+from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.block_tagger import OUTCOMES
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
-from vllm_wa.params import ParamsError, WAParams
+from vllm_wa.params import WAParams
+from vllm_wa.serving.pin_request import PinRequestError, parse_pin_request
 from vllm_wa.serving.settings import ServingSettings
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -141,9 +142,9 @@ def wa_set_params(self: Any, body: dict[str, Any]) -> dict[str, Any]:
     if not ewa.settings.allow_pin:
         return {"ok": False, "error": "pinning is disabled (start with --wa-allow-pin)", "status": 403}
     try:
-        params, features = parse_pin_request(body)
-    except (ParamsError, ValueError) as e:
-        return {"ok": False, "error": str(e), "status": 422}
+        params, features = parse_pin_request(body, max_classes=ewa.handle.registry.max_classes)
+    except PinRequestError as e:
+        return {"ok": False, "error": str(e), "status": e.status}
     if params is None:
         ewa.controller.unpin()
     else:
@@ -233,32 +234,23 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
     }
 
 
-def parse_pin_request(body: Any) -> tuple[WAParams | None, tuple[str, ...] | None]:
-    """Validate a PUT /wa/params body; raises ``ParamsError``/``ValueError`` with the reason."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    unknown = set(body) - {"params", "features", "mode"}
-    if unknown:
-        raise ValueError(f"unknown field(s) {sorted(unknown)}; expected params, features or mode")
-    mode = body.get("mode", "pinned" if "params" in body else None)
-    if mode == "auto":
-        if "params" in body:
-            raise ValueError("mode 'auto' takes no params")
-        return None, None
-    if mode != "pinned":
-        raise ValueError("send {'params': {...}} to pin, or {'mode': 'auto'} to return to automatic mode")
-    params = WAParams.from_pr_json(body.get("params"))
-    features = body.get("features", ["tag"])
-    if not isinstance(features, list) or any(f not in FEATURES for f in features) or len(set(features)) != len(features):
-        raise ValueError(f"features must be a list of distinct names from {list(FEATURES)}")
-    return params, tuple(features)
+def wa_get_snapshot(self: Any) -> dict[str, Any]:
+    """State and metrics in one call: what the API server's poller fetches once per interval.
+
+    The controller state is the snapshot the last refit published (built on
+    the controller's thread), plus a few live counters; everything else is
+    bounded by the class caps, so the cost on the engine loop is small and
+    does not depend on how often clients read ``/wa/params``.
+    """
+    if _engine_wa(self) is None:
+        return {"enabled": False}
+    return {"enabled": True, "state": wa_get_state(self), "metrics": wa_get_metrics(self)}
 
 
 _UTILITIES = {
-    "wa_get_state": wa_get_state,
+    "wa_get_snapshot": wa_get_snapshot,
     "wa_set_params": wa_set_params,
     "wa_report_outcomes": wa_report_outcomes,
-    "wa_get_metrics": wa_get_metrics,
 }
 
 

@@ -46,6 +46,8 @@ def add_cli_options(parser: Any) -> None:
                    help="Seed parameters in the PR #22236 JSON format ({'a': {...}, 'p': {...}}).")
     g.add_argument("--wa-allow-pin", action="store_true", default=False,
                    help="Allow PUT /wa/params to pin parameters (needs the API key when one is set).")
+    g.add_argument("--wa-public-params", action="store_true", default=False,
+                   help="Serve GET /wa/params without the API key (it lists every client's tag names).")
 
 
 def _install_cli_options() -> None:
@@ -109,6 +111,7 @@ def enable_online(args: Any) -> ServingSettings:
         params_path=getattr(args, "wa_params", None),
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
         metrics_interval_s=ServingSettings.from_env().metrics_interval_s,
+        public_params=bool(getattr(args, "wa_public_params", False)),
     )
     settings.export()
     from vllm_wa.serving import api_side
