@@ -11,6 +11,7 @@ channel.  Requests go through vLLM's own OpenAI request model
 from __future__ import annotations
 
 import functools
+import json
 from argparse import Namespace
 from collections import Counter
 from types import SimpleNamespace
@@ -63,11 +64,13 @@ class Engine:
         from pydantic import ValidationError
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
+        from vllm.exceptions import VLLMValidationError
+
         try:
             req = CompletionRequest.model_validate(body)
-        except ValidationError:
+            sp = req.to_sampling_params(max_tokens=1)
+        except (ValidationError, VLLMValidationError):
             return False  # vLLM answers 400; the engine never sees it
-        sp = req.to_sampling_params(max_tokens=1)
         sp.update_from_generation_config({}, eos_token_id=2)
         self.served += 1
         r = Request(request_id=f"cmpl-{self.served}-0a1b2c3d", prompt_token_ids=prompt, sampling_params=sp,
@@ -110,3 +113,76 @@ def make_app(
     max_classes = engines[0].handle.registry.max_classes
     app.include_router(make_router(settings, snapshots, max_classes))
     return app, client, snapshots
+
+
+# ---- generated inputs (the fuzz tests) ---------------------------------------------------------
+
+from hypothesis import strategies as st  # noqa: E402
+
+RESERVED_LOOKALIKES = ["default", "other", "invalid", "default.o:stop", "other.o:tool", "Default", "text_1", "agent_3"]
+_json_scalar = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
+json_values = st.recursive(
+    _json_scalar,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+tag_values = st.one_of(
+    st.from_regex(r"[A-Za-z0-9_.:-]{1,70}", fullmatch=True),
+    st.sampled_from(RESERVED_LOOKALIKES),
+    st.text(max_size=70),
+    st.none(),
+    st.integers(),
+    st.floats(),
+    st.booleans(),
+    st.lists(st.text(max_size=5), max_size=3),
+    json_values,
+)
+class_names = st.one_of(st.from_regex(r"[A-Za-z0-9_.:-]{1,20}", fullmatch=True), st.text(max_size=20),
+                        st.sampled_from(RESERVED_LOOKALIKES))
+numbers = st.one_of(st.floats(), st.integers(-5, 5), st.just(10 ** 400), st.text(max_size=3), st.none())
+
+
+@st.composite
+def pin_bodies(draw: Any) -> bytes:
+    """PUT /wa/params bodies: well-formed pins with fuzzed fields, arbitrary JSON, and raw bytes."""
+    kind = draw(st.integers(0, 11))
+    if kind >= 10:  # a valid pin, or back to automatic mode
+        if kind == 11:
+            return b'{"mode": "auto"}'
+        names = draw(st.lists(st.from_regex(r"[a-z0-9_]{1,12}", fullmatch=True), max_size=8, unique=True))
+        a = {n: draw(st.floats(0, 10)) for n in names}
+        p = {n: draw(st.floats(0, 1)) for n in names}
+        feats = draw(st.lists(st.sampled_from(["tag", "outcome", "depth", "reuse"]), unique=True, max_size=4))
+        return json.dumps({"params": {"a": a, "p": p}, "features": feats}).encode()
+    if kind <= 5:
+        names = draw(st.lists(class_names, max_size=6))
+        params: dict[str, Any] = {
+            "a": {n: draw(numbers) for n in names},
+            "p": {n: draw(numbers) for n in names},
+        }
+        for key in draw(st.sets(st.sampled_from(["L", "mode", "mixture", "default", "version", "junk"]))):
+            params[key] = draw(json_values | numbers | st.sampled_from(["pr", "posterior"]))
+        body: Any = {"params": params}
+        if draw(st.booleans()):
+            body["features"] = draw(st.lists(st.sampled_from(["tag", "outcome", "depth", "reuse", "color"]), max_size=5)
+                                    | json_values)
+        if draw(st.integers(0, 4)) == 0:
+            body["mode"] = draw(st.sampled_from(["auto", "pinned", "sideways"]) | json_values)
+        return json.dumps(body).encode()
+    if kind <= 7:
+        return json.dumps(draw(json_values)).encode()
+    if kind == 8:
+        depth = draw(st.integers(1, 3000) | st.integers(100_000, 200_000))  # deep; past 128 Ki also too big
+        return ("[" * depth + "]" * depth).encode()
+    return draw(st.binary(max_size=64))
+
+
+# Mostly the right key (so bodies reach the parser), else anything a header can carry.
+bearer_tokens = st.one_of(
+    st.just(API_KEY), st.just(API_KEY), st.just(API_KEY),
+    st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=20), st.none(),
+)
+
+
+def auth_header(token: str | None) -> dict[str, bytes]:
+    return {} if token is None else {"Authorization": f"Bearer {token}".encode("utf-8", "surrogatepass")}

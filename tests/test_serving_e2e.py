@@ -324,6 +324,55 @@ def test_grafana_dashboard_queries_return_series(wa_server, workdir):
         log.close()
 
 
+def test_generated_tags_and_put_bodies_over_http(wa_server):
+    """The fuzz test's inputs, a smaller batch, against the live server (see test_fuzz_serving.py)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from serving_harness import auth_header, bearer_tokens, pin_bodies, tag_values
+
+    url = wa_server.url
+    seen: dict[str, dict[int, int]] = {"tags": {}, "bodies": {}}
+
+    @settings(max_examples=5, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(tags=st.lists(tag_values, min_size=20, max_size=20),
+           bodies=st.lists(st.tuples(pin_bodies(), bearer_tokens), min_size=20, max_size=20))
+    def batch(tags, bodies):
+        for i, tag in enumerate(tags):
+            body = {"model": "tiny", "prompt": text(i, 20), "max_tokens": 1, "vllm_xargs": {"type_info": tag}}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", **auth_header(API_KEY)})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            seen["tags"][code] = seen["tags"].get(code, 0) + 1
+            assert code in (200, 400), (tag, code)
+        for raw, token in bodies:
+            req = urllib.request.Request(url + "/wa/params", data=raw, method="PUT",
+                                         headers={"Content-Type": "application/json", **auth_header(token)})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            seen["bodies"][code] = seen["bodies"].get(code, 0) + 1
+            assert code in (200, 400, 401, 413, 422), (raw[:200], code)
+
+    batch()
+    assert sum(seen["tags"].values()) >= 100 and sum(seen["bodies"].values()) >= 100, seen
+    assert http("PUT", url + "/wa/params", {"mode": "auto"}, key=API_KEY)[0] == 200
+    st_ = wait_for_state(url, lambda s: s["mode"] == "auto")
+    assert st_["hook_errors"] == 0 and st_["errors"] == 0 and wa_server.proc.poll() is None
+    code, metrics = http("GET", url + "/metrics")
+    assert code == 200
+    classes = {line.split('class="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
+               if line.startswith("vllm_wa_freed_blocks_total{")}
+    assert 0 < len(classes) <= 64
+
+
 def test_without_flag_nothing_changes(workdir, wa_server):
     plain = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=False)
     try:
