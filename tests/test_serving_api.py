@@ -202,7 +202,7 @@ def test_reuse_series_disappear_when_a_class_falls_back_to_the_default(engine):
 
 def test_collector_appears_in_vllms_multiprocess_registry(engine, tmp_path, monkeypatch):
     import vllm.entrypoints.serve.instrumentator.metrics as vllm_metrics
-    from prometheus_client import REGISTRY
+    from prometheus_client import REGISTRY, multiprocess
 
     from vllm_wa.serving import metrics
 
@@ -210,14 +210,17 @@ def test_collector_appears_in_vllms_multiprocess_registry(engine, tmp_path, monk
     with TestClient(app) as http:
         http.get("/wa/params", headers=AUTH)
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    monkeypatch.setattr(vllm_metrics, "get_prometheus_registry", vllm_metrics.get_prometheus_registry)
+    monkeypatch.setattr(multiprocess.MultiProcessCollector, "__init__", multiprocess.MultiProcessCollector.__init__)
     collector = WACollector(lambda: snapshots.engines)
     try:
         metrics.install(collector)
         metrics.install(collector)  # idempotent
-        registry = vllm_metrics.get_prometheus_registry()
-        assert registry is not REGISTRY  # vLLM's multiprocess registry
-        text = generate_latest(registry).decode()
-        assert 'vllm_wa_freed_blocks_total{class="agent_1.o:stop",engine="0"}' in text
+        # vLLM's registry for /metrics, and the one its instrumentator builds per scrape.
+        per_scrape = CollectorRegistry()
+        multiprocess.MultiProcessCollector(per_scrape)
+        for registry in (vllm_metrics.get_prometheus_registry(), per_scrape):
+            assert registry is not REGISTRY
+            text = generate_latest(registry).decode()
+            assert text.count('vllm_wa_freed_blocks_total{class="agent_1.o:stop",engine="0"}') == 1
     finally:
         REGISTRY.unregister(collector)

@@ -52,7 +52,8 @@ def http(method: str, url: str, body: object = None, key: str | None = None, tim
 
 
 class Server:
-    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None) -> None:
+    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None,
+                 extra: tuple[str, ...] = (), name: str = "") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
@@ -64,12 +65,13 @@ class Server:
         ]
         if wa:
             cmd += ["--wa-online", "--wa-allow-pin"] + (["--wa-config", config] if config else [])
+        cmd += list(extra)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([shim, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env["VLLM_WA_METRICS_INTERVAL"] = "1"
         env.pop("VLLM_WA_ONLINE", None)
-        self.log_path = os.path.join(log_dir, f"server-{'wa' if wa else 'plain'}.log")
+        self.log_path = os.path.join(log_dir, f"server-{name or ('wa' if wa else 'plain')}.log")
         self.log = open(self.log_path, "w")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=log_dir,
@@ -371,6 +373,44 @@ def test_generated_tags_and_put_bodies_over_http(wa_server):
     classes = {line.split('class="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
                if line.startswith("vllm_wa_freed_blocks_total{")}
     assert 0 < len(classes) <= 64
+
+
+def test_data_parallel_engines_each_report_and_take_a_pin(workdir, wa_server):
+    """``--data-parallel-size 2`` on CPU: two engine cores behind two API servers (vLLM then
+    serves /metrics from a multiprocess registry); every API server reaches both engines."""
+    wa_server.stop()  # two servers at once would not fit this machine's cores
+    dp = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=True, config=workdir["config"],
+                extra=("--data-parallel-size", "2"), name="dp")
+    try:
+        url = dp.url
+        engines = wa_states(url)
+        assert sorted(e["engine"] for e in engines) == [0, 1]
+        assert all(e["enabled"] for e in engines) and len({e["pid"] for e in engines}) == 2
+        assert send_conversations(url, n_rounds=2) > 0
+        for _ in range(4):  # /metrics from either API server shows both engines, as counters
+            code, metrics = http("GET", url + "/metrics")
+            assert code == 200
+            assert "# TYPE vllm_wa_refits_total counter" in metrics
+            for eng in ("0", "1"):
+                assert f'vllm_wa_refits_total{{engine="{eng}"}}' in metrics
+                assert f'vllm_wa_params_version{{engine="{eng}"}}' in metrics
+        pin = {"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}, "features": ["tag"]}
+        code, body = http("PUT", url + "/wa/params", pin, key=API_KEY)
+        assert code == 200, body
+        assert sorted(r["engine"] for r in json.loads(body)["engines"]) == [0, 1]
+        deadline = time.monotonic() + 10
+        while True:
+            engines = wa_states(url)  # whichever API server answers
+            if all(e["mode"] == "pinned" for e in engines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert [e["params"]["a"] for e in engines] == [{"agent_1": pytest.approx(0.2)}] * 2
+        assert http("PUT", url + "/wa/params", {"mode": "auto"}, key=API_KEY)[0] == 200
+        if TIMING_FILE:
+            with open(TIMING_FILE, "a") as f:
+                f.write(json.dumps({"server": "wa-online-dp2", "startup_s": dp.startup_s}) + "\n")
+    finally:
+        dp.stop()
 
 
 def test_without_flag_nothing_changes(workdir, wa_server):

@@ -12,7 +12,7 @@ Series are labelled by ``engine`` (the data-parallel rank) and ``class``
 (eviction class) or ``tag`` (workload tag, for hit accounting); both sets
 are bounded by the class caps.  vLLM serves ``/metrics`` from the global
 registry, or, with several API servers, from a fresh multiprocess registry
-per scrape: :func:`install` registers the collector in whichever it returns.
+per scrape: :func:`install` puts the collector in both.
 """
 
 from __future__ import annotations
@@ -110,22 +110,29 @@ class WACollector:
 
 
 def install(collector: WACollector) -> None:
-    """Register ``collector`` in every registry vLLM builds ``/metrics`` from (idempotent)."""
-    import vllm.entrypoints.serve.instrumentator.metrics as vllm_metrics
-    from prometheus_client import REGISTRY
+    """Put ``collector`` in every registry ``/metrics`` is rendered from, in this process (idempotent).
 
-    current = vllm_metrics.get_prometheus_registry
+    One API server: vLLM and its instrumentator render the global registry.
+    Several API servers (``--api-server-count``, data parallelism): vLLM sets
+    ``PROMETHEUS_MULTIPROC_DIR``, and ``/metrics`` renders a registry built
+    per scrape around a ``MultiProcessCollector`` (by vLLM's
+    ``get_prometheus_registry`` and by the instrumentator's handler), so the
+    collector joins each registry such a collector is built for.
+    """
+    from prometheus_client import REGISTRY, multiprocess
+
+    if collector not in REGISTRY._collector_to_names:
+        REGISTRY.register(collector)
+    cls = multiprocess.MultiProcessCollector
+    current = cls.__init__
     if getattr(current, _WRAPPED, None) is not None:
         return
 
     @functools.wraps(current)
-    def get_prometheus_registry(*args: Any, **kwargs: Any) -> Any:
-        registry = current(*args, **kwargs)
-        if collector not in getattr(registry, "_collector_to_names", {}):
+    def __init__(self: Any, registry: Any, *args: Any, **kwargs: Any) -> None:
+        current(self, registry, *args, **kwargs)
+        if registry is not None and collector not in getattr(registry, "_collector_to_names", {}):
             registry.register(collector)
-        return registry
 
-    setattr(get_prometheus_registry, _WRAPPED, current)
-    vllm_metrics.get_prometheus_registry = get_prometheus_registry
-    if collector not in REGISTRY._collector_to_names:
-        REGISTRY.register(collector)
+    setattr(__init__, _WRAPPED, current)
+    cls.__init__ = __init__

@@ -9,13 +9,16 @@ same queue, same routes, same metrics.  With ``--wa-online``:
   publishes the settings to the environment, and installs the routes, the
   metrics poller and the reply-outcome watcher;
 * in the engine core (spawned; it inherits the environment), it installs the
-  workload-aware queue and the online controller when the scheduler is built.
+  workload-aware queue and the online controller when the scheduler is built;
+* in vLLM's extra API-server processes (several API servers, data
+  parallelism), it installs the API-server side from the inherited settings.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 from typing import Any
 
 from vllm_wa.serving.settings import ServingSettings
@@ -25,13 +28,26 @@ _WRAPPED = "__vllm_wa_wrapped__"
 _cli_hooked = False
 
 
+# vLLM's name for the extra API-server processes (``--api-server-count``, which
+# data parallelism raises to the number of engines).
+_API_SERVER_PROCESS_PREFIX = "ApiServer"
+
+
 def register() -> None:
     """Entry point; cheap and idempotent (it runs in every vLLM process)."""
     _install_cli_options()
-    if ServingSettings.from_env().online:
+    settings = ServingSettings.from_env()
+    if settings.online:
         from vllm_wa.serving import engine_side
 
         engine_side.install()
+        if multiprocessing.current_process().name.startswith(_API_SERVER_PROCESS_PREFIX):
+            # An extra API server parses the arguments before it loads plugins,
+            # so enable_online() does not run there; the parent process checked
+            # the flags and exported the settings this process inherited.
+            from vllm_wa.serving import api_side
+
+            api_side.install(settings)
 
 
 def add_cli_options(parser: Any) -> None:
