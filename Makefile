@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-wa-installed
 
-.PHONY: setup test demo bench-queue bench-controller clean
+.PHONY: setup test demo bench-queue bench-controller bench-soak clean
 
 $(STAMP): requirements/cpu.lock.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ bench-queue: $(STAMP)
 
 bench-controller: $(STAMP)
 	$(PY) benchmarks/bench_controller.py
+
+# Not in CI: about an hour (30 min --wa-online with faults, 30 min plain).
+bench-soak: $(STAMP)
+	$(PY) benchmarks/bench_soak.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -98,8 +98,8 @@ def load_trace(
     more after its origin (agentic: the start of the offset window, where it
     overrides ``agentic.cut``; JSON lines: the first request)."""
     fmt = fmt or detect_format(path)
-    if cut is not None and not (math.isfinite(cut) and cut > 0):
-        raise ValueError(f"cut must be a positive number of seconds, got {cut!r}")
+    if cut is not None:
+        check_number("cut (seconds)", cut, gt=0)
     if fmt == "agentic":
         opts = agentic or AgenticOptions()
         if cut is not None:

@@ -23,6 +23,7 @@ from vllm_wa.engine_patch.block_tagger import OUTCOMES
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
 from vllm_wa.params import WAParams
+from vllm_wa.serving import faults
 from vllm_wa.serving.pin_request import PinRequestError, parse_pin_request
 from vllm_wa.serving.settings import ServingSettings
 from vllm_wa.workload_classes import ClassRegistry
@@ -76,6 +77,7 @@ def _attach(sched: Any) -> None:
         return h.queue, h.tagger
 
     controller = start_online(cfg, pool.num_gpu_blocks, install, prior=prior)
+    faults.install_from_env(controller)
     handle = handles[0]
     if cfg.checkpoint_path:
         controller.load_checkpoint(cfg.checkpoint_path)
