@@ -205,3 +205,25 @@ def test_bad_seed_params_in_the_config_refuse_to_start(tmp_path):
     cfg.write_text(f'[controller]\nseed_params = "{tmp_path / "missing.json"}"\n')
     with pytest.raises(SystemExit, match="missing.json"):
         plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(cfg), wa_params=None))
+
+
+def test_refit_fault_hook_is_off_by_default_and_counted_when_on(monkeypatch):
+    from vllm_wa.controller.controller import WAController
+    from vllm_wa.engine_patch.events import EventSink
+    from vllm_wa.serving import faults
+
+    def controller():
+        return WAController(ControllerConfig(), 100, lambda p, k: None, EventSink())
+
+    c = controller()
+    monkeypatch.delenv(faults.ENV_FAULT_REFIT_EVERY, raising=False)
+    faults.install_from_env(c)
+    for _ in range(4):
+        c.refit()
+    assert c.errors == 0 and c.refits == 4
+    monkeypatch.setenv(faults.ENV_FAULT_REFIT_EVERY, "2")
+    c = controller()
+    faults.install_from_env(c)
+    for _ in range(4):
+        c.refit()
+    assert c.errors == 2 and c.refits == 2 and "InjectedFault" in c.last_error
