@@ -28,14 +28,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, sample_rate_for
 from vllm_wa.engine_patch.block_tagger import RequestTags
 from vllm_wa.engine_patch.conversations import TurnTiming
-from vllm_wa.engine_patch.events import (
-    EventKind,
-    EventSink,
-    EvictedEvent,
-    FinishedEvent,
-    FreedEvent,
-    LookupEvent,
-)
+from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent, FinishedEvent, FreedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.params import ReuseModel, WAParams
 from vllm_wa.workload_classes import ClassRegistry

@@ -124,7 +124,7 @@ def test_cut_applies_to_every_format(tmp_path, agentic):
 def test_agentic_loader_offsets_tags_outcomes(agentic):
     tr = agentic
     assert tr.fmt == "agentic" and tr.block_size == 64
-    assert set(r.tag for r in tr.requests) <= {"human", "tool", "other"}
+    assert set(r.tag for r in tr.requests) <= {"human", "tool", "misc"}
     assert {"tool", "stop"} <= {r.outcome for r in tr.requests}
     assert all(r.arrival < 7200 for r in tr.requests)
     # Most requests record their service time (api_time); the rest use the throughput model.

@@ -52,7 +52,8 @@ def http(method: str, url: str, body: object = None, key: str | None = None, tim
 
 
 class Server:
-    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None) -> None:
+    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None,
+                 extra: tuple[str, ...] = (), name: str = "") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
@@ -65,12 +66,13 @@ class Server:
         if wa:
             cmd += ["--wa-online", "--wa-allow-pin", "--wa-bench-outcome-hints"]
             cmd += ["--wa-config", config] if config else []
+        cmd += list(extra)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([shim, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env["VLLM_WA_METRICS_INTERVAL"] = "1"
         env.pop("VLLM_WA_ONLINE", None)
-        self.log_path = os.path.join(log_dir, f"server-{'wa' if wa else 'plain'}.log")
+        self.log_path = os.path.join(log_dir, f"server-{name or ('wa' if wa else 'plain')}.log")
         self.log = open(self.log_path, "w")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=log_dir,
@@ -166,16 +168,31 @@ def send_conversations(url: str, n_rounds: int = 6) -> int:
     return served
 
 
-def wa_state(url: str) -> dict:
-    code, body = http("GET", url + "/wa/params")
+def wa_states(url: str) -> list[dict]:
+    code, body = http("GET", url + "/wa/params", key=API_KEY)
     assert code == 200, body
-    engines = json.loads(body)["engines"]
+    return json.loads(body)["engines"]
+
+
+def wa_state(url: str) -> dict:
+    engines = wa_states(url)
     assert len(engines) == 1
     return engines[0]
 
 
+def wait_for_state(url: str, ok, timeout: float = 10.0) -> dict:
+    """The state once ``ok(state)`` holds (GET serves a copy up to one poll interval old)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = wa_state(url)
+        if ok(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.25)
+
+
 def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
     url = wa_server.url
+    assert http("GET", url + "/wa/params")[0] == 401  # it lists every client's tags: the API key guards it
     first = wa_state(url)
     assert first["enabled"] and first["mode"] == "auto"
     pid0 = first["pid"]
@@ -225,9 +242,8 @@ def test_bad_tag_is_served_and_counted(wa_server):
             model="tiny", prompt=text(9, 30), max_tokens=1, extra_body={"vllm_xargs": {"type_info": bad}}
         )
         assert out.choices
-    time.sleep(0.5)
-    st = wa_state(wa_server.url)
-    assert st["tags_invalid"] >= before + 3
+    st = wait_for_state(wa_server.url, lambda s: s["tags_invalid"] >= before + 3)
+    assert st["tags_invalid"] == before + 3  # once per request
     assert "invalid" in " ".join(st["classes"]) or st["tags_invalid"] > 0
 
 
@@ -319,6 +335,55 @@ def test_grafana_dashboard_queries_return_series(wa_server, workdir):
         log.close()
 
 
+def test_generated_tags_and_put_bodies_over_http(wa_server):
+    """The fuzz test's inputs, a smaller batch, against the live server (see test_fuzz_serving.py)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from serving_harness import auth_header, bearer_tokens, pin_bodies, tag_values
+
+    url = wa_server.url
+    seen: dict[str, dict[int, int]] = {"tags": {}, "bodies": {}}
+
+    @settings(max_examples=5, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(tags=st.lists(tag_values, min_size=20, max_size=20),
+           bodies=st.lists(st.tuples(pin_bodies(), bearer_tokens), min_size=20, max_size=20))
+    def batch(tags, bodies):
+        for i, tag in enumerate(tags):
+            body = {"model": "tiny", "prompt": text(i, 20), "max_tokens": 1, "vllm_xargs": {"type_info": tag}}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", **auth_header(API_KEY)})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            seen["tags"][code] = seen["tags"].get(code, 0) + 1
+            assert code in (200, 400), (tag, code)
+        for raw, token in bodies:
+            req = urllib.request.Request(url + "/wa/params", data=raw, method="PUT",
+                                         headers={"Content-Type": "application/json", **auth_header(token)})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            seen["bodies"][code] = seen["bodies"].get(code, 0) + 1
+            assert code in (200, 400, 401, 413, 422), (raw[:200], code)
+
+    batch()
+    assert sum(seen["tags"].values()) >= 100 and sum(seen["bodies"].values()) >= 100, seen
+    assert http("PUT", url + "/wa/params", {"mode": "auto"}, key=API_KEY)[0] == 200
+    st_ = wait_for_state(url, lambda s: s["mode"] == "auto")
+    assert st_["hook_errors"] == 0 and st_["errors"] == 0 and wa_server.proc.poll() is None
+    code, metrics = http("GET", url + "/metrics")
+    assert code == 200
+    classes = {line.split('class="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
+               if line.startswith("vllm_wa_freed_blocks_total{")}
+    assert 0 < len(classes) <= 64
+
+
 def test_without_flag_nothing_changes(plain_server):
     plain = plain_server
     code, _ = http("GET", plain.url + "/wa/params")
@@ -384,3 +449,42 @@ def test_bench_serve_agrees_with_both_servers_counters(plain_server, wa_server, 
     if TIMING_FILE:
         with open(TIMING_FILE, "a") as f:
             f.write(json.dumps({"bench_serve": {"measured": measured, "predicted": predicted}}) + "\n")
+
+
+def test_data_parallel_engines_each_report_and_take_a_pin(workdir, wa_server, plain_server):
+    """``--data-parallel-size 2`` on CPU: two engine cores behind two API servers (vLLM then
+    serves /metrics from a multiprocess registry); every API server reaches both engines."""
+    wa_server.stop()  # more servers at once would not fit this machine's cores
+    plain_server.stop()
+    dp = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=True, config=workdir["config"],
+                extra=("--data-parallel-size", "2"), name="dp")
+    try:
+        url = dp.url
+        engines = wa_states(url)
+        assert sorted(e["engine"] for e in engines) == [0, 1]
+        assert all(e["enabled"] for e in engines) and len({e["pid"] for e in engines}) == 2
+        assert send_conversations(url, n_rounds=2) > 0
+        for _ in range(4):  # /metrics from either API server shows both engines, as counters
+            code, metrics = http("GET", url + "/metrics")
+            assert code == 200
+            assert "# TYPE vllm_wa_refits_total counter" in metrics
+            for eng in ("0", "1"):
+                assert f'vllm_wa_refits_total{{engine="{eng}"}}' in metrics
+                assert f'vllm_wa_params_version{{engine="{eng}"}}' in metrics
+        pin = {"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}, "features": ["tag"]}
+        code, body = http("PUT", url + "/wa/params", pin, key=API_KEY)
+        assert code == 200, body
+        assert sorted(r["engine"] for r in json.loads(body)["engines"]) == [0, 1]
+        deadline = time.monotonic() + 10
+        while True:
+            engines = wa_states(url)  # whichever API server answers
+            if all(e["mode"] == "pinned" for e in engines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert [e["params"]["a"] for e in engines] == [{"agent_1": pytest.approx(0.2)}] * 2
+        assert http("PUT", url + "/wa/params", {"mode": "auto"}, key=API_KEY)[0] == 200
+        if TIMING_FILE:
+            with open(TIMING_FILE, "a") as f:
+                f.write(json.dumps({"server": "wa-online-dp2", "startup_s": dp.startup_s}) + "\n")
+    finally:
+        dp.stop()

@@ -32,7 +32,12 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from vllm_wa.validation import check_number
+from vllm_wa.workload_classes import MAX_CLASS_NAME_LENGTH, is_valid_class_name
+
 SCORE_MODES = ("pr", "posterior", "density")
+# Keys of the PR JSON format, with this project's extensions (see to_pr_json).
+_PR_JSON_KEYS = frozenset({"a", "p", "L", "mode", "mixture", "default", "version"})
 DEFAULT_HORIZON_S = 5.0
 _NEG_INF = float("-inf")
 # Upper bound of the idle-time search when inverting a score (about 30 years).
@@ -43,15 +48,9 @@ class ParamsError(ValueError):
     """Raised for parameters that must not reach the queue."""
 
 
-def _check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ParamsError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ParamsError(f"{name} must be finite, got {value!r}")
-    if value < lo or value > hi:
-        raise ParamsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
-    return value
+def _check_number(name: str, value: Any, *, hi: float = math.inf) -> float:
+    """A finite number in ``[0, hi]``, or ``ParamsError`` naming it."""
+    return check_number(name, value, ge=0.0, le=hi, error=ParamsError)
 
 
 def _logsumexp(terms: list[float]) -> float:
@@ -289,6 +288,9 @@ class WAParams:
                 raise ParamsError(f"params JSON does not parse: {e}") from e
         if not isinstance(data, Mapping):
             raise ParamsError("params JSON must be an object with keys 'a' and 'p'")
+        unknown = set(data) - _PR_JSON_KEYS
+        if unknown:
+            raise ParamsError(f"unknown key(s) {sorted(map(str, unknown))[:5]}; expected some of {sorted(_PR_JSON_KEYS)}")
         rates, probs = data.get("a"), data.get("p")
         if not isinstance(rates, Mapping) or not isinstance(probs, Mapping):
             raise ParamsError("params JSON needs objects 'a' (class -> rate) and 'p' (class -> prob)")
@@ -298,8 +300,16 @@ class WAParams:
         mixtures = data.get("mixture") or {}
         if not isinstance(mixtures, Mapping):
             raise ParamsError("'mixture' must be an object of class -> [[w, a], ...]")
+        stray = set(mixtures) - set(rates)
+        if stray:
+            raise ParamsError(f"'mixture' names classes {sorted(stray)[:5]} that 'a' and 'p' do not")
         models: dict[str, ReuseModel] = {}
         for name in rates:
+            if not is_valid_class_name(name):
+                raise ParamsError(
+                    f"class name {str(name)[:80]!r} is not a valid class name "
+                    f"(1-{MAX_CLASS_NAME_LENGTH} characters of A-Z a-z 0-9 _ . : -)"
+                )
             try:
                 if name in mixtures:
                     models[name] = _model_from_json(mixtures[name])

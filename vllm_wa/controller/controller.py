@@ -20,10 +20,8 @@ and in ``vllm-wa replay`` (called at trace time through the replay clock).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -33,6 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from vllm_wa.controller.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointFailures,
+    read_checkpoint,
+    write_checkpoint,
+)
 from vllm_wa.controller.config import CandidateSpec, ControllerConfig
 from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, pooled
 from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
@@ -42,11 +47,10 @@ from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
 from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
-from vllm_wa.params import ParamsError, ReuseModel, WAParams, params_changed
+from vllm_wa.params import ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
-CHECKPOINT_VERSION = 2
 MAX_FINE_CLASSES = 1024
 
 
@@ -80,7 +84,7 @@ def start_online(
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
     chain = sample_rate_for(cache_blocks, config.shadow_blocks) if config.shadow_sampling == "chain" else None
     sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain)
-    registry = ClassRegistry(max_classes=config.max_classes)
+    registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
     conversations = ConversationTracker(max_age_s=config.max_watch_s)
@@ -171,6 +175,7 @@ class WAController:
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
         self._last_fit = -math.inf
+        self.checkpoint_failures = CheckpointFailures()
         # The state as of the last refit, published for other threads (the
         # engine loop serves /wa/params from it while a refit may be running).
         self.snapshot: dict[str, Any] | None = None
@@ -469,6 +474,8 @@ class WAController:
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
             "last_error": self.last_error,
+            "checkpoint_errors": self.checkpoint_failures.count,
+            "last_checkpoint_error": self.checkpoint_failures.last_error,
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
             "events_dropped": self.sink.dropped,
@@ -479,51 +486,37 @@ class WAController:
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str) -> None:
-        """Atomic write: a crash leaves the old checkpoint or the new one, never half."""
-        data = {
-            "version": CHECKPOINT_VERSION,
-            "active": self.active,
-            "params": self.params.to_pr_json(),
-            "classes": [
-                {"components": list(comps), "data": self.estimators[fid].data.state()}
-                for fid, comps in enumerate(self._fine)
-            ],
-        }
-        tmp = f"{path}.tmp{os.getpid()}"
+    def save_checkpoint(self, path: str) -> bool:
+        """Write a checkpoint (atomically); a failure is counted, never raised."""
+        ckpt = Checkpoint(
+            self.active,
+            self.params,
+            tuple((comps, self.estimators[fid].data) for fid, comps in enumerate(self._fine)),
+        )
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("vllm-wa: cannot write checkpoint %s: %s", path, e)
+            write_checkpoint(path, ckpt)
+        except (OSError, ValueError) as e:
+            self.checkpoint_failures.record(path, e)
+            return False
+        return True
 
     def load_checkpoint(self, path: str) -> bool:
-        """Warm-start from a checkpoint; on any problem, warn and keep the prior."""
+        """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION:
-                raise ValueError(f"unsupported checkpoint version {data.get('version') if isinstance(data, dict) else None!r}")
-            classes = data["classes"]
-            restored: list[tuple[tuple, SurvivalData]] = []
-            for c in classes:
-                comps = tuple(c["components"])
-                if len(comps) != len(FEATURES):
-                    raise ValueError("bad class components")
-                restored.append((comps, SurvivalData.from_state(c["data"])))
-            params = WAParams.from_pr_json(data["params"])
-            active = data.get("active")
-        except FileNotFoundError:
-            return False
-        except (OSError, ValueError, KeyError, TypeError, ParamsError) as e:
+            ckpt = read_checkpoint(path, max_classes=MAX_FINE_CLASSES)
+        except CheckpointError as e:
             logger.warning("vllm-wa: ignoring checkpoint %s (%s); starting from the prior", path, e)
             return False
-        for comps, d in restored:
+        except Exception:  # noqa: BLE001 - never fail the engine's start over a checkpoint
+            logger.exception("vllm-wa: ignoring checkpoint %s (unexpected error); starting from the prior", path)
+            return False
+        if ckpt is None:
+            return False
+        for comps, d in ckpt.classes:
             fid = self._fine_id(comps)
             self.estimators[fid].data = d
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it.
-        del active
-        self.params = params
+        self.params = ckpt.params
+        self.version = max(self.version, ckpt.params.version)
         return True

@@ -28,6 +28,8 @@ DEFAULT_REPLY_EDGES = (100, 500, 2000)  # generated tokens
 DEFAULT_GROWTH_EDGES = (0.02, 0.1, 0.5)  # prompt growth relative to the previous turn
 DEFAULT_TURN_EDGES = (2, 5, 20)  # turn 1, 2-4, 5-19, 20+
 UNKNOWN = "u"  # a timing feature of a conversation's first turn (no previous turn)
+FOLDED = "*"  # a feature the controller's finest classes do not distinguish
+TIMING_FEATURES = ("think", "growth", "turn")  # may be UNKNOWN
 
 
 def _bucket(edges: tuple, value: float | None) -> Any:
@@ -55,6 +57,10 @@ class FeatureKey:
             if list(edges) != sorted(set(edges)) or any(e <= 0 for e in edges):
                 raise ValueError(f"{name} must be increasing positive numbers, got {list(edges)}")
         object.__setattr__(self, "_index", tuple(FEATURES.index(f) for f in self.features))
+
+    def edges(self, feature: str) -> tuple:
+        """Bucket edges of a bucketed feature (not ``tag`` or ``outcome``)."""
+        return getattr(self, f"{feature}_edges")
 
     @property
     def uses_block_features(self) -> bool:

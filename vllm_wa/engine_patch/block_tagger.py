@@ -13,6 +13,7 @@ per-request events are emitted.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from vllm_wa.engine_patch.events import (
     TurnEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
-from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
+from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
 
 # Reply outcomes, known to the engine (stop, length, abort) or reported to it
 # after the API server parsed the reply (tool).
@@ -40,6 +41,9 @@ OUTCOMES = ("tool", "stop", "length", "abort", "error")
 # outcome behind the length limit that ignore_eos forces), it cannot turn an
 # aborted or failed request into a finished one.
 ENGINE_FINAL_OUTCOMES = ("abort", "error")
+# Requests whose tags are remembered until they finish (each is counted once);
+# past this many unfinished requests the oldest is forgotten.
+MAX_LIVE_REQUESTS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,8 @@ class BlockTagger:
         remember_finished: how many freed requests :meth:`reclassify` can reach.
         conversations: the conversation tracker (None: requests get no turn
             timing, as in the miniature caches, which are told it).
+        tags: the registry of workload tags for hit accounting (default: one
+            with the cap and retire time of the queue's class registry).
     """
 
     def __init__(
@@ -117,12 +123,22 @@ class BlockTagger:
         class_key: ClassKeyFunction | None = None,
         remember_finished: int = 4096,
         conversations: ConversationTracker | None = None,
+        tags: ClassRegistry | None = None,
     ) -> None:
         self.queue = queue
         self.blocks = blocks
         self.sink = sink
         self.class_key: ClassKeyFunction = class_key if class_key is not None else TagClassKey()
         self.tag_counters = TagCounters()
+        classes = queue.registry
+        self.tags = tags if tags is not None else ClassRegistry(classes.max_classes, classes.retire_after_s)
+        # Releases whose blocks went to ``other`` because every class slot was taken.
+        self.releases_over_class_cap = 0
+        # Tag of each request seen and not finished: counted once, at first sight.
+        self._live_tags: OrderedDict[str, str] = OrderedDict()
+        retire_s = min(classes.retire_after_s, self.tags.retire_after_s)
+        self._retire_every = max(1.0, retire_s / 10.0)
+        self._next_retire = -math.inf
         n = len(queue.block_class)
         self.reuse_count = [0] * n
         # The hash a block had when its reuse count was last updated: a block
@@ -143,9 +159,8 @@ class BlockTagger:
         # Maps an engine request id to the id late facts are reported under
         # (the API server knows its own, external id).
         self.request_key: Callable[[str], str] = str
-        cap = queue.num_classes_cap
-        self.hit_blocks_by_class = [0] * cap
-        self.queried_blocks_by_class = [0] * cap
+        self.hit_blocks_by_tag = [0] * self.tags.max_classes
+        self.queried_blocks_by_tag = [0] * self.tags.max_classes
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
         self._remember = max(1, int(remember_finished))
         self.reclassified_requests = 0
@@ -155,8 +170,36 @@ class BlockTagger:
     def request_tags(
         self, request_id: str, raw_tag: Any, outcome: str | None = None, reply_tokens: int = 0
     ) -> RequestTags:
-        """Validated tags of a request (bad tags are counted, never raised)."""
-        return RequestTags(request_id, normalize_tag(raw_tag, self.tag_counters), outcome, reply_tokens)
+        """Validated tags of a request (bad tags are counted, never raised).
+
+        The first call for a request checks its tag and claims it a slot in
+        the tag registry (``other`` when full), counting a missing, invalid
+        or over-cap tag once; later calls, until the request finishes, reuse
+        that result.
+        """
+        live = self._live_tags
+        tag = live.get(request_id)
+        if tag is None:
+            counters = self.tag_counters
+            tag = normalize_tag(raw_tag, counters)
+            now = self.queue.clock()
+            self.retire_idle(now)
+            if self.tags.claim(tag, now) is None:
+                counters.over_cap += 1
+                tag = OTHER_CLASS
+            live[request_id] = tag
+            if len(live) > MAX_LIVE_REQUESTS:
+                live.popitem(last=False)
+        return RequestTags(request_id, tag, outcome, reply_tokens)
+
+    def retire_idle(self, now: float) -> None:
+        """Give back the slots of tags and classes unused for their retire time (throttled)."""
+        if now < self._next_retire:
+            return
+        self._next_retire = now + self._retire_every
+        for tid in self.tags.retire_idle(now):
+            self.hit_blocks_by_tag[tid] = self.queried_blocks_by_tag[tid] = 0
+        self.queue.retire_idle_classes(now)
 
     def set_class_key(self, class_key: ClassKeyFunction) -> None:
         """Swap the class-key function (takes effect at the next free)."""
@@ -196,12 +239,17 @@ class BlockTagger:
         self.count_reuse(hit_blocks)
         self._record_free_hits(hit_blocks)
         # Hit accounting is per workload tag (the outcome is not known yet).
-        tag_id = self.queue.registry.id_of(req.tag)
-        self.hit_blocks_by_class[tag_id] += len(hit_blocks)
-        self.queried_blocks_by_class[tag_id] += len(block_hashes)
+        tag_id = self.tags.id_of(req.tag, now)
+        self.hit_blocks_by_tag[tag_id] += len(hit_blocks)
+        self.queried_blocks_by_tag[tag_id] += len(block_hashes)
         sink = self.sink
         if sink is None:
             return
+        # The class the request would free into as of now, if it holds a slot
+        # (a lookup claims none: only released blocks take class slots).
+        cls = self.queue.registry.find(self.class_key(req, 0, 0))
+        if cls is None:
+            cls = -1
         if sink.lookup_hashes == "none":
             hashes: tuple = ()
         elif sink.lookup_hashes == "all":
@@ -259,14 +307,22 @@ class BlockTagger:
                 counts[bid] = 0
             counts[bid] += 1
 
-    def on_free(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
-        """``blocks`` (in allocation order) are about to be released by ``req``."""
+    def on_free(
+        self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None, *, finished: bool = True
+    ) -> None:
+        """``blocks`` (in allocation order) are about to be released by ``req``.
+
+        ``finished`` is False for a preempted request: it will be looked up
+        again and keeps its (counted) tag.
+        """
         rid = req.request_id
         look = self._looked_up.pop(rid, None)
+        if finished:
+            self._live_tags.pop(rid, None)
         if now is None:
             now = self.queue.clock()
         key = self.request_key(rid)
-        pending = self._pending_outcome.pop(key, None)
+        pending = self._pending_outcome.pop(key, None) if finished else None
         if pending is not None and req.outcome not in ENGINE_FINAL_OUTCOMES:
             # A reported fact (the reply called a tool) beats the engine's own
             # stop or length (such replies end with a plain stop).
@@ -289,7 +345,7 @@ class BlockTagger:
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
-        if look is not None and self.conversations is not None:
+        if look is not None and self.conversations is not None and finished:
             rec.turn = self.conversations.finished(look.timing, look.tips, look.prompt_blocks, req, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
@@ -301,10 +357,15 @@ class BlockTagger:
         sink = self.sink
         want_flags = sink is not None and not sink.samples_all
         key = self.class_key
-        reg_id = queue.registry.id_of
+        now = queue.clock() if now is None else now
+        self.retire_idle(now)
+        claim = queue.registry.claim
         counts, counted = self.reuse_count, self._counted_hash
+        over_cap = False
         if not key.uses_block_features:
-            cid = reg_id(key(req, 0, 0))
+            cid = claim(key(req, 0, 0), now)
+            if cid is None:
+                cid, over_cap = OTHER_ID, True
             for b in blocks:
                 cls_of[b.block_id] = cid
         else:
@@ -313,12 +374,17 @@ class BlockTagger:
                 if counted[bid] != b._block_hash:
                     counted[bid] = b._block_hash
                     counts[bid] = 0
-                cls_of[bid] = reg_id(key(req, pos, counts[bid]))
+                cid = claim(key(req, pos, counts[bid]), now)
+                if cid is None:
+                    cid, over_cap = OTHER_ID, True
+                cls_of[bid] = cid
+        if over_cap:
+            self.releases_over_class_cap += 1
         if sink is None:
             return
         if want_flags:
             self._update_flags(blocks)
-        self._emit_freed(req, blocks, self.queue.clock() if now is None else now)
+        self._emit_freed(req, blocks, now)
 
     def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
         """A FREED event for each sampled block this release puts on the free list."""
@@ -362,13 +428,14 @@ class BlockTagger:
         owner = self._owner
         blocks = self.blocks
         key = self.class_key
+        now = queue.clock()
         reg_id = queue.registry.id_of
         by_class: dict[int, list[KVCacheBlock]] = {}
         for pos, bid in enumerate(rec.block_ids):
             if owner[bid] != rec.serial:
                 continue
             b = blocks[bid]
-            cid = reg_id(key(req, pos, self.reuse_count[bid]))
+            cid = reg_id(key(req, pos, self.reuse_count[bid]), now)
             if b.next_free_block is None:
                 # Still held (a deferred free): it is filed at its release.
                 queue.block_class[bid] = cid
@@ -384,6 +451,7 @@ class BlockTagger:
     def forget(self, request_id: str, now: float | None = None) -> None:
         """A request left without holding blocks (it did not fit, or was aborted
         while waiting): drop its lookup and tell consumers it is finished."""
+        self._live_tags.pop(request_id, None)
         if request_id not in self._looked_up:
             return
         del self._looked_up[request_id]

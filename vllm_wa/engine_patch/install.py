@@ -110,7 +110,7 @@ class WAHandle:
             self.tagger.forget(request.request_id)
             return
         tags = self.request_tags(request, finished=True)
-        self.tagger.on_free(tags, groups[0])
+        self.tagger.on_free(tags, groups[0], finished=request.is_finished())
         for extra_group in groups[1:]:
             self.tagger.file_blocks(tags, extra_group)
 
