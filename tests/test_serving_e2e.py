@@ -122,7 +122,7 @@ def workdir(tmp_path_factory):
     shim = write_vllm_dist_shim(str(d / "shim")) or str(d / "shim")
     cfg = d / "wa.toml"
     cfg.write_text(
-        "[controller]\nrefit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
+        "[controller]\nrefit_interval_s = 1.0\nfit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
         "[tuner]\nmin_requests = 20\nmin_batches = 2\nbatch_s = 1.0\ndemote_window_s = 5.0\n"
         "initial = \"tag+outcome/hyper/posterior/L10\"\n"
     )
