@@ -148,6 +148,29 @@ def test_drift_detector_shortens_memory():
     assert 1 / model.a > 100
 
 
+def test_blocks_of_one_lookup_are_one_drift_observation():
+    """A lookup brings back many blocks freed together, all with the same gap.
+
+    Fed block by block, those identical gaps look like a shift to ADWIN and a
+    stationary class keeps losing its memory; fed as one value per lookup it
+    keeps everything, and a real shift is still detected.
+    """
+    rng = random.Random(0)
+    batched, per_block = ReuseEstimator(memory_s=1e9), ReuseEstimator(memory_s=1e9)
+    total = 0
+    for _ in range(400):
+        gap, n = rng.expovariate(1 / 30), rng.randint(50, 300)
+        total += n
+        batched.update_many([gap] * n)
+        for _ in range(n):
+            per_block.update(gap)
+    assert batched.drifts == 0 and batched.data.n_events == pytest.approx(total)
+    assert per_block.drifts > 10 and per_block.data.n_events < total / 10
+    shifted = ReuseEstimator(memory_s=1e9)
+    fired = [shifted.update_many([rng.expovariate(1 / (5 if i < 400 else 500))] * 100) for i in range(800)]
+    assert not any(fired[:400]) and any(fired[400:])
+
+
 # ---- the controller job -------------------------------------------------------------------------
 
 

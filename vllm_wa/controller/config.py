@@ -56,6 +56,10 @@ def _default_candidates() -> tuple[CandidateSpec, ...]:
         CandidateSpec(("outcome",), "hyperexponential", "posterior", 10.0),
         CandidateSpec(("tag",), "hyperexponential", "posterior", 10.0),
         CandidateSpec(("tag", "outcome", "reuse"), "hyperexponential", "posterior", 10.0),
+        # When the conversation comes back: the engine's think time before the
+        # turn that freed the block (a tool result returns in seconds, a person
+        # in minutes); see engine_patch/conversations.py.
+        CandidateSpec(("tag", "outcome", "think"), "hyperexponential", "posterior", 10.0),
     )
 
 
