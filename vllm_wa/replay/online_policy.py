@@ -80,6 +80,7 @@ class OnlineWAPolicy(ReplayPolicy):
             "active_candidate": st["active_candidate"],
             "candidates": st["candidates"],
             "switches": st["switches"],
+            "seconds_on_candidate": st["seconds_on_candidate"],
             "params": st["params"],
             "refits": st["refits"],
             "errors": st["errors"],
