@@ -23,7 +23,8 @@ from vllm_wa.replay.belady import next_use_table
 from vllm_wa.replay.engines import make_engine
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.online_policy import OnlineWAPolicy
-from vllm_wa.replay.policies import POLICIES, OptPolicy, ReplayPolicy, StaticWAPolicy
+from vllm_wa.replay.peers import PEERS
+from vllm_wa.replay.policies import POLICIES, OptPolicy, PeerPolicy, ReplayPolicy, StaticWAPolicy
 from vllm_wa.replay.profile import profile_trace
 from vllm_wa.replay.trace import Trace
 from vllm_wa.sim.clock import SettableClock
@@ -88,7 +89,7 @@ def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
         if r.arrival >= since and r.tag in (a, b):
             r = replace(r, tag=b if r.tag == a else a)
         out.append(r)
-    return Trace(trace.name, trace.block_size, out, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    return trace.with_requests(out)
 
 
 def run_one(
@@ -189,6 +190,8 @@ class SweepSetup:
     reprofiled_params: WAParams | None = None
     next_req: Any = None
     offsets: Any = None
+    # Knob setting of each peer that has one (chosen on the profile half).
+    peer_settings: dict[str, float] = field(default_factory=dict)
 
 
 _SETUP: SweepSetup | None = None
@@ -213,7 +216,24 @@ def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSe
     return setup
 
 
+def make_peer(name: str, setup: SweepSetup, setting: float | None = None) -> PeerPolicy:
+    """Peer ``name`` at ``setting`` (default: the setup's chosen one, else the knob's default)."""
+    spec = PEERS[name]
+    if setting is None and spec.knob is not None:
+        setting = setup.peer_settings.get(name, spec.knob.default)
+    return PeerPolicy(
+        name,
+        spec=spec,
+        setting=setting,
+        block_size=setup.trace.block_size,
+        conversations=setup.trace.conversations,
+        prefill_tokens_per_s=setup.cfg.lifetime.prefill_tokens_per_s,
+    )
+
+
 def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
+    if name in PEERS:
+        return make_peer(name, setup)
     if name == "lru":
         return ReplayPolicy("lru")
     if name == "infinite":

@@ -1,0 +1,252 @@
+"""Peer policies: each one on a small hand-made sequence where it differs from LRU."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from vllm_wa.replay.engines import FastEngine
+from vllm_wa.replay.peers import PEERS
+from vllm_wa.replay.peers.session import GhostScores
+from vllm_wa.replay.peers.ttl_tool import best_ttl, exponential_ttl
+from vllm_wa.replay.policies import PeerPolicy, ReplayPolicy
+from vllm_wa.replay.trace import TraceRequest
+from vllm_wa.sim.clock import SettableClock
+
+BS = 16
+
+
+class Harness:
+    """A fast-engine pool of ``usable`` blocks driven request by request."""
+
+    def __init__(self, policy: ReplayPolicy, usable: int) -> None:
+        self.policy = policy
+        self.clock = SettableClock(0.0)
+        self.engine = FastEngine(None, policy, usable + 1, self.clock)  # + vLLM's null block
+        self.live: dict[str, TraceRequest] = {}
+        self.n = 0
+
+    def admit(self, hashes, t, conversation=-1, outcome=None, output_tokens=5) -> tuple[str, int]:
+        self.n += 1
+        req = TraceRequest(
+            f"r{self.n}", t, array("q", hashes), len(hashes) * BS, output_tokens,
+            conversation=conversation, outcome=outcome,
+        )
+        self._at(t)
+        hits = self.engine.admit(self.n, req)
+        assert hits >= 0, "did not fit"
+        self.live[req.request_id] = req
+        return req.request_id, hits
+
+    def release(self, rid: str, t: float) -> None:
+        self._at(t)
+        self.engine.release(self.live.pop(rid))
+
+    def run(self, hashes, t, **kw) -> int:
+        """Admit and release at once; the prompt's hit blocks."""
+        rid, hits = self.admit(hashes, t, **kw)
+        self.release(rid, t)
+        return hits
+
+    def _at(self, t: float) -> None:
+        self.clock.t = t
+        self.policy.advance(t)
+
+
+def peer(name: str, setting=None, conversations: bool = True) -> PeerPolicy:
+    spec = PEERS[name]
+    if setting is None and spec.knob is not None:
+        setting = spec.knob.default
+    return PeerPolicy(name, spec=spec, setting=setting, block_size=BS, conversations=conversations)
+
+
+def both(name: str, usable: int, script, **kw) -> tuple[int, int]:
+    """``script(harness)``'s result under LRU and under the peer."""
+    return script(Harness(ReplayPolicy("lru"), usable)), script(Harness(peer(name, **kw), usable))
+
+
+def scan_after_reuse(h: Harness) -> int:
+    """[1,2] is used by two requests, then a scan of one-time prompts; is it still cached?"""
+    h.run([1, 2, 3], 1.0)
+    h.run([1, 2, 4], 2.0)
+    h.run([10, 11, 12], 3.0)
+    h.run([20, 21, 22], 4.0)
+    return h.run([1, 2, 9], 5.0)
+
+
+def test_arc_keeps_blocks_used_twice_through_a_scan():
+    lru, arc = both("arc", 6, scan_after_reuse)
+    assert (lru, arc) == (0, 2)
+
+
+def test_arc_ghost_hits_grow_t1_target():
+    h = Harness(peer("arc"), 4)
+    h.run([1, 2, 3], 1.0)  # T1 = {1,2,3}
+    h.run([5, 6, 7], 2.0)  # evicts from T1: 1, 2 go to the ghost list B1
+    q = h.policy.queue
+    assert {1, 2} <= set(q.b1) and q.target_t1_size == 0
+    h.run([1, 2, 8], 3.0)  # touches ghosts 1, 2 in B1
+    assert q.target_t1_size == 2
+
+
+@pytest.mark.parametrize("name, setting", [("slru", 3), ("lfu", None)])
+def test_sglang_frequency_policies_keep_reused_prefix_through_a_scan(name, setting):
+    lru, p = both(name, 6, scan_after_reuse, setting=setting)
+    assert (lru, p) == (0, 2)
+
+
+def test_slru_default_threshold_protects_every_finished_prompt():
+    # SGLang inserts a path after prefill and at the finish: two hits per request.
+    lru, slru = both("slru", 6, scan_after_reuse, setting=2)
+    assert (lru, slru) == (0, 0)
+    h = Harness(peer("slru", 2), 8)
+    h.run([1, 2, 3], 1.0)
+    h.run([4, 5], 2.0, output_tokens=1)  # finished at prefill: one insert
+    q = h.policy.queue
+    ids = {q.key_of[b]: b for b in range(len(q.key_of)) if q.key_of[b] is not None}
+    assert q.hit_count[ids[1]] == 2 and q.hit_count[ids[4]] == 1
+
+
+def out_of_order_finish(h: Harness) -> int:
+    """A long request starts first and finishes last; then the pool must evict 3 blocks."""
+    long_rid, _ = h.admit([1, 2, 3], 1.0)
+    h.run([5, 6, 7], 2.0)
+    h.release(long_rid, 3.0)
+    h.run([10, 11, 12], 4.0)
+    return h.run([5, 6, 9], 5.0)
+
+
+def test_fifo_evicts_by_creation_not_by_free_time():
+    lru, fifo = both("fifo", 6, out_of_order_finish)
+    assert (lru, fifo) == (0, 2)
+
+
+def test_tlru_trims_conversation_tails_before_older_heads():
+    # xi - Q_hat = 64 tokens: a 128-token history keeps its first 4 blocks; the
+    # rest of each conversation is TEL-safe and goes first.
+    def policy_xi(slo_s):
+        p = peer("tlru", slo_s)
+        p.prefill_tokens_per_s = (64 + 200) / slo_s  # xi = 264 tokens, Q_hat = 200
+        return p
+
+    def script(h):
+        h.run(list(range(1, 9)), 1.0)
+        h.run(list(range(11, 19)), 2.0)
+        h.run(list(range(30, 38)), 3.0)  # 2 fresh blocks + 6 evicted
+        return h.run([1, 2, 3, 4, 99], 4.0)
+
+    lru = script(Harness(ReplayPolicy("lru"), 18))
+    tlru = script(Harness(policy_xi(1.0), 18))
+    assert (lru, tlru) == (2, 4)
+
+
+def test_tlru_with_a_huge_budget_is_recency_order():
+    h = Harness(peer("tlru", 1000.0), 18)  # xi = 10M tokens: nothing is TEL-safe
+    h.run(list(range(1, 9)), 1.0)
+    h.run(list(range(11, 19)), 2.0)
+    h.run(list(range(30, 38)), 3.0)
+    assert h.run([1, 2, 3, 4, 99], 4.0) == 2
+
+
+def test_session_evicts_the_least_touched_session_tail_first():
+    def script(h):
+        h.run([1, 2, 3], 1.0)  # session A
+        h.run([1, 2, 4], 2.0)  # continues A (hits 1, 2): A touched
+        h.run([1, 2, 5], 3.0)
+        h.run([20, 21, 22], 4.0)  # session B, newer but touched once
+        h.run([30, 31, 32, 33, 34, 35], 5.0)  # 8 cached + 6 new in 8 usable: evict 6
+        return h.run([1, 2, 9], 6.0)
+
+    lru, session = both("session", 8, script)
+    assert (lru, session) == (0, 2)
+
+
+def test_session_merges_continuations_and_seeds_fresh_sessions_from_ghosts():
+    h = Harness(peer("session"), 32)
+    h.run([1, 2, 3], 1.0)
+    h.run([1, 2, 3, 4], 2.0)
+    q = h.policy.queue
+    assert len(q.sessions) == 1  # the second turn merged into the first's session
+    (s,) = q.sessions.values()
+    assert s.prefix_depth == 0 and s.live == 4
+    h.run([7, 8], 3.0)
+    assert len(q.sessions) == 2
+    fresh = q.sessions[max(q.sessions)]
+    assert fresh.hits == pytest.approx((1.0 / 1.0 + 1.0 / 1.5849625007211563) / 12.0)
+
+
+def test_ghost_scores_decay_and_prune_like_the_source():
+    g = GhostScores(0.5)
+    g.add("k", False, 0.05)
+    g.tick += 1
+    assert g.read("k", False) == pytest.approx(0.025)
+    g.tick += 2  # 0.00625 < 0.01 at a non-resident tick: pruned
+    assert g.read("k", False) == 0.0 and len(g) == 0
+    g.add("r", True, 0.05)
+    g.tick += 3  # resident all along: decays, never pruned
+    assert g.read("r", True) == pytest.approx(0.00625)
+    g.evicted("r")
+    g.tick += 1
+    assert g.read("r", False) == 0.0
+
+
+def tool_call_then_pressure(h: Harness) -> int:
+    h.run([1, 2, 3], 1.0, conversation=7, outcome="tool")  # pinned for the TTL
+    h.run([5, 6, 7], 2.0, conversation=8, outcome="stop")
+    h.run([10, 11, 12], 3.0, conversation=9, outcome="stop")  # evicts 3 blocks
+    return h.run([1, 2, 3, 4], 4.0, conversation=7)  # the tool result comes back
+
+
+def test_ttl_tool_keeps_the_tool_callers_context_within_the_ttl():
+    lru, ttl = both("ttl-tool", 6, tool_call_then_pressure)
+    assert (lru, ttl) == (0, 3)
+
+
+def test_ttl_tool_pin_expires_and_needs_both_hints():
+    h = Harness(peer("ttl-tool"), 6)
+    h.policy.queue.fixed_ttl_s = 0.5
+    assert tool_call_then_pressure(h) == 0  # expired at t=1.5, then LRU
+    assert tool_call_then_pressure(Harness(peer("ttl-tool", conversations=False), 6)) == 0
+    h = Harness(peer("ttl-tool"), 6)
+    h.run([1, 2, 3], 1.0, conversation=7, outcome=None)  # no outcome hint: never pinned
+    h.run([5, 6, 7], 2.0, conversation=8)
+    h.run([10, 11, 12], 3.0, conversation=9)
+    assert h.run([1, 2, 3, 4], 4.0, conversation=7) == 0
+
+
+def test_ttl_tool_unpins_earliest_deadline_under_pressure():
+    h = Harness(peer("ttl-tool"), 6)
+    h.policy.queue.fixed_ttl_s = 100.0
+    h.run([1, 2, 3], 1.0, conversation=1, outcome="tool")
+    h.run([5, 6, 7], 2.0, conversation=2, outcome="tool")
+    h.run([10, 11, 12], 3.0, conversation=3, outcome="stop")  # all pinned: unpins conversation 1
+    assert h.run([5, 6, 7, 8], 4.0, conversation=2) == 3
+    assert h.run([1, 2, 3, 4], 5.0, conversation=1) == 0
+
+
+def test_ttl_choice_maximizes_return_probability_minus_holding_cost():
+    assert best_ttl([1.0, 1.0, 1.0, 1.0, 100.0], break_even_s=10.0) == 1.0
+    assert best_ttl([1.0, 1.0, 1.0, 1.0, 100.0], break_even_s=1e6) == 100.0
+    assert best_ttl([50.0, 60.0], break_even_s=10.0) == 0.0  # never worth holding
+    assert exponential_ttl(10.0, 100.0) == pytest.approx(10.0 * 2.302585, rel=1e-5)
+    assert exponential_ttl(10.0, 5.0) == 0.0
+
+
+def test_ttl_tool_learns_durations_from_the_conversation_hint():
+    h = Harness(peer("ttl-tool", 100.0), 64)
+    for i in range(40):
+        t = 10.0 * i
+        h.run([1000 * i + 1, 1000 * i + 2], t, conversation=i, outcome="tool")
+        h.run([1000 * i + 1, 1000 * i + 2, 1000 * i + 3], t + 2.0, conversation=i, outcome="stop")
+    q = h.policy.queue
+    assert q.durations == [2.0] * 40 and q.current_ttl() == 2.0
+
+
+@pytest.mark.parametrize("name", sorted(PEERS))
+def test_knob_values_are_checked(name):
+    spec = PEERS[name]
+    if spec.knob is None:
+        return
+    with pytest.raises(ValueError):
+        Harness(peer(name, -1.0), 4)

@@ -1,0 +1,334 @@
+"""``session``: vLLM's Session-Aware Eviction (SAE) policy.
+
+Source: https://github.com/vllm-project/vllm/pull/50422 ("[kv_offload] Session
+Aware Eviction Policy"), ``vllm/v1/kv_offload/cpu/policies/sae.py``
+(``SAECachePolicy``, read at commit 26f9d5960b8dc1d3d83350085a5d5bfb017c0031).
+Blocks stored by a request form a *session*; eviction walks sessions worst
+score first and takes each one's idle blocks from its tail, so a
+conversation's prefix outlives its suffix.
+
+What it reproduces, call by call, as the offloading connector drives it:
+
+* lookup (``record_lookup``): a request whose lookup finds a resident block
+  remembers that block's session (the deepest hit's) as its merge target;
+* ``touch`` (every lookup, all the prompt's keys): the logical clock ticks;
+  each key's ghost score grows by ``weight / log2(position + 2)`` (12 for a
+  resident key, 1 for a miss); every session owning a touched resident key
+  gets ``hits += 1`` and ``last_touch = now``; every 500 touches session hits
+  and ghost scores decay by 0.9 and non-resident ghost scores under 0.01 are
+  dropped;
+* store (``open_session``/``insert``): the request's new blocks join its merge
+  target (a continuation) or a fresh session with ``prefix_depth`` = the
+  number of hit blocks, whose ``hits`` start from the new keys' ghost scores
+  divided by 12;
+* admission gate (``evict``): when the store needs an eviction and is not a
+  continuation, it is declined unless ``logical_time + bonus(prefix_depth)``
+  reaches the worst session's score;
+* score: ``last_touch + 1500 * hits + 30000 / (1 + prefix_depth / 8)``.
+
+GPU-side translation: a block is "stored" when its request is admitted and
+"evictable" while free. A store the gate declines cannot be refused here (the
+prompt must be computed), so its blocks join no session and are reused first,
+least recently freed first. Sessions come from lookups, not from a client's
+conversation id: no client hints. Ghost-score decay is applied lazily (same
+values and same pruning, without a sweep over every key). Knobs: none (the
+source's constants).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from vllm_wa.replay.peers.base import PeerQueue, RequestHints, ResidentKeys
+
+PREFIX_DEPTH_BONUS_SCALE = 30000.0
+PREFIX_DEPTH_HALF_LIFE = 8.0
+TOUCH_WEIGHT = 1500.0
+GHOST_PRUNE_THRESHOLD = 0.01
+_POS_WEIGHTS = [1.0 / math.log2(i + 2.0) for i in range(1024)]
+
+
+@dataclass
+class Session:
+    """Blocks stored together (in order) and their access statistics."""
+
+    hits: float
+    last_touch: int
+    prefix_depth: int
+    blocks: list[int] = field(default_factory=list)  # block ids; stale entries skipped
+    live: int = 0  # blocks still in this session
+    free: int = 0  # of which evictable
+
+    def score(self) -> float:
+        return (
+            self.last_touch
+            + self.hits * TOUCH_WEIGHT
+            + PREFIX_DEPTH_BONUS_SCALE / (1.0 + self.prefix_depth / PREFIX_DEPTH_HALF_LIFE)
+        )
+
+
+class GhostScores:
+    """Per-key popularity with SAE's periodic decay and pruning, applied lazily.
+
+    The source multiplies every score by ``factor`` each tick and drops
+    non-resident scores under the threshold. Here a score is kept with the
+    tick it was last written at and decayed when read; it reads as pruned
+    (zero) if, at some tick since, it was both non-resident and under the
+    threshold: the key became non-resident at ``evicted_tick`` and stayed so
+    (a key is touched before it is stored again, which reads it).
+    """
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.tick = 0
+        self._value: dict[Any, float] = {}
+        self._written: dict[Any, int] = {}
+        self._evicted_tick: dict[Any, int] = {}
+
+    def read(self, key: Any, resident: bool) -> float:
+        v = self._value.get(key)
+        if v is None:
+            return 0.0
+        m = self.tick - self._written[key]
+        if m <= 0:
+            return v
+        if not resident:
+            since = self._evicted_tick.get(key, -1)
+            # ticks t in (written, now] where the key was non-resident:
+            first = max(self._written[key], since) + 1
+            if first <= self.tick and v * self.factor ** (self.tick - self._written[key]) < GHOST_PRUNE_THRESHOLD:
+                # Under the threshold by the last tick; was it already at a non-resident tick?
+                below = self._written[key] + self._ticks_until_below(v)
+                if max(below, first) <= self.tick:
+                    del self._value[key], self._written[key]
+                    self._evicted_tick.pop(key, None)
+                    return 0.0
+        return v * self.factor**m
+
+    def _ticks_until_below(self, v: float) -> int:
+        m, f = 1, self.factor
+        x = v * f
+        while x >= GHOST_PRUNE_THRESHOLD:
+            x *= f
+            m += 1
+        return m
+
+    def add(self, key: Any, resident: bool, amount: float) -> None:
+        self._value[key] = self.read(key, resident) + amount
+        self._written[key] = self.tick
+
+    def evicted(self, key: Any) -> None:
+        if key in self._value:
+            self._evicted_tick[key] = self.tick
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+
+class SessionQueue(PeerQueue):
+    """SAE over cached blocks.
+
+    Args:
+        blocks: the free blocks.
+        num_block_ids: size of the per-block arrays.
+        decay_interval, decay_factor, ghost_hit_weight, ghost_miss_weight,
+            ghost_norm: the source's tunables, with its defaults.
+    """
+
+    def __init__(
+        self,
+        blocks: list[KVCacheBlock],
+        num_block_ids: int | None = None,
+        *,
+        decay_interval: int = 500,
+        decay_factor: float = 0.9,
+        ghost_hit_weight: float = 12.0,
+        ghost_miss_weight: float = 1.0,
+        ghost_norm: float = 12.0,
+    ) -> None:
+        if decay_interval < 1 or not 0.0 < decay_factor <= 1.0 or ghost_norm <= 0:
+            raise ValueError("session: decay_interval >= 1, 0 < decay_factor <= 1 and ghost_norm > 0 are required")
+        self.decay_interval = decay_interval
+        self.ghost_hit_weight = ghost_hit_weight
+        self.ghost_miss_weight = ghost_miss_weight
+        self.ghost_norm = ghost_norm
+        self.ghost = GhostScores(decay_factor)
+        self.resident = ResidentKeys()
+        self.sessions: dict[int, Session] = {}
+        self.logical_time = 0
+        self.touches = 0
+        self._next_session = 0
+        self._merge_target: int | None = None
+        self._evicted_this_request = False
+        # Blocks of declined stores: no session, reused first, LRU among them.
+        self._sessionless = FreeKVCacheBlockQueue([])
+        n = max((b.block_id for b in blocks), default=-1) + 1 if num_block_ids is None else num_block_ids
+        self.session_of = [-1] * n
+        self.slot = [0] * n  # index in its session's block list
+        super().__init__(blocks, num_block_ids)
+
+    # ---- lookup and touch -----------------------------------------------------------------
+
+    def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
+        session_of, sessions = self.session_of, self.sessions
+        # record_lookup: the last resident hit names the merge target.
+        self._merge_target = None
+        if hit_blocks:
+            sid = session_of[hit_blocks[-1].block_id]
+            self._merge_target = sid if sid >= 0 else None
+        self._evicted_this_request = False
+        # touch
+        self.logical_time += 1
+        primary, ghost = self.resident.primary, self.ghost
+        hit_w, miss_w, weights = self.ghost_hit_weight, self.ghost_miss_weight, _POS_WEIGHTS
+        touched: set[int] = set()
+        for pos, key in enumerate(hashes):
+            bid = primary.get(key)
+            w = weights[pos] if pos < 1024 else 1.0 / math.log2(pos + 2.0)
+            if bid is not None:
+                ghost.add(key, True, w * hit_w)
+                sid = session_of[bid]
+                if sid >= 0:
+                    touched.add(sid)
+            else:
+                ghost.add(key, False, w * miss_w)
+        t = self.logical_time
+        for sid in touched:
+            s = sessions[sid]
+            s.hits += 1
+            s.last_touch = t
+        self.touches += 1
+        if self.touches % self.decay_interval == 0:
+            f = ghost.factor
+            for s in sessions.values():
+                s.hits *= f
+            ghost.tick += 1
+
+    def forget(self, request_id: str, now: float) -> None:
+        self._merge_target = None
+
+    # ---- store ------------------------------------------------------------------------------
+
+    def _admission_allows_new_session(self, prefix_depth: int) -> bool:
+        if not self.sessions:
+            return True
+        baseline = self.logical_time + PREFIX_DEPTH_BONUS_SCALE / (1.0 + prefix_depth / PREFIX_DEPTH_HALF_LIFE)
+        return baseline >= min(s.score() for s in self.sessions.values())
+
+    def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
+        hashes, key_of, resident = req.hashes, self.key_of, self.resident
+        for j in range(n_hit, len(blocks)):
+            key_of[blocks[j].block_id] = hashes[j]
+            resident.add(hashes[j], blocks[j].block_id)
+        target = self._merge_target
+        self._merge_target = None
+        if n_hit == len(blocks):
+            return
+        if target is not None and target not in self.sessions:
+            target = None
+        if target is None and self._evicted_this_request and not self._admission_allows_new_session(n_hit):
+            return  # declined: the new blocks join no session
+        if target is not None:
+            s = self.sessions[target]
+            s.last_touch = self.logical_time
+            sid = target
+        else:
+            sid = self._next_session
+            self._next_session += 1
+            s = self.sessions[sid] = Session(hits=0.0, last_touch=self.logical_time, prefix_depth=n_hit)
+            ghost, norm = self.ghost, self.ghost_norm
+            for j in range(n_hit, len(blocks)):
+                s.hits += ghost.read(hashes[j], True) / norm
+        session_of, slot, lst = self.session_of, self.slot, s.blocks
+        for j in range(n_hit, len(blocks)):
+            bid = blocks[j].block_id
+            session_of[bid] = sid
+            slot[bid] = len(lst)
+            lst.append(bid)
+        s.live += len(blocks) - n_hit
+
+    # ---- queue ------------------------------------------------------------------------------
+
+    def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
+        session_of, sessions = self.session_of, self.sessions
+        loose = []
+        for b in blocks:
+            sid = session_of[b.block_id]
+            if sid >= 0:
+                sessions[sid].free += 1
+            else:
+                loose.append(b)
+        if loose:
+            self._sessionless.append_n(loose)
+
+    def _unfree_cached(self, block: KVCacheBlock) -> None:
+        sid = self.session_of[block.block_id]
+        if sid >= 0:
+            self.sessions[sid].free -= 1
+        else:
+            self._sessionless.remove(block)
+
+    def _drop(self, bid: int) -> None:
+        """``bid`` is evicted: it leaves its session (deleted when empty) and the key index."""
+        key = self.key_of[bid]
+        if key is not None:
+            if self.resident.discard(key, bid):
+                self.ghost.evicted(key)
+            self.key_of[bid] = None
+        sid = self.session_of[bid]
+        if sid >= 0:
+            s = self.sessions[sid]
+            self.session_of[bid] = -1
+            s.live -= 1
+            s.free -= 1
+            if s.live == 0:
+                del self.sessions[sid]
+
+    def _evict(self, n: int) -> list[KVCacheBlock]:
+        self._evicted_this_request = True
+        out: list[KVCacheBlock] = []
+        loose = self._sessionless
+        if loose.num_free_blocks:
+            out = loose.popleft_n(min(n, loose.num_free_blocks))
+            for b in out:
+                self._drop(b.block_id)
+        if len(out) < n:
+            candidates = [s for s in self.sessions.items() if s[1].free > 0]
+            candidates.sort(key=lambda item: item[1].score())
+            is_free, session_of, slot = self.is_free, self.session_of, self.slot
+            for sid, s in candidates:
+                lst = s.blocks
+                i = len(lst) - 1
+                while i >= 0 and len(out) < n and s.free > 0:
+                    bid = lst[i]
+                    if session_of[bid] != sid or slot[bid] != i:
+                        if i == len(lst) - 1:
+                            lst.pop()  # stale tail entry
+                        i -= 1
+                        continue
+                    if is_free[bid]:
+                        out.append(self.block[bid])
+                        is_free[bid] = 0
+                        if i == len(lst) - 1:
+                            lst.pop()
+                        self._drop(bid)
+                    i -= 1
+                if len(out) == n:
+                    break
+                if sid in self.sessions and len(lst) > 64 and len(lst) > 2 * s.live:
+                    self._compact(sid, s)
+        if len(out) < n:
+            raise RuntimeError("session: fewer evictable blocks than the queue counts")
+        return out
+
+    def _compact(self, sid: int, s: Session) -> None:
+        session_of, slot = self.session_of, self.slot
+        live = [bid for i, bid in enumerate(s.blocks) if session_of[bid] == sid and slot[bid] == i]
+        for i, bid in enumerate(live):
+            slot[bid] = i
+        s.blocks = live
