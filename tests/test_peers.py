@@ -250,3 +250,88 @@ def test_knob_values_are_checked(name):
         return
     with pytest.raises(ValueError):
         Harness(peer(name, -1.0), 4)
+
+
+# ---- knob tuning, progress, CLI --------------------------------------------------------------------
+
+import io
+import json
+
+from vllm_wa.cli import main as cli_main
+from vllm_wa.cli import sample_path
+from vllm_wa.replay.knobs import choose_settings, profile_setup
+from vllm_wa.replay.loaders import load_trace
+from vllm_wa.replay.progress import ProgressBoard, RunReporter
+from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes, sweep
+
+MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
+
+
+def test_knobs_are_chosen_on_the_profile_half_only():
+    trace = load_trace(MOONCAKE)
+    setup = prepare(trace, ["slru", "tlru"], ReplayConfig())
+    part = profile_setup(setup)
+    assert part.trace.end < setup.eval_start  # never sees the evaluated half
+    assert setup.trace.start <= part.eval_start < part.trace.end
+    sizes = resolve_sizes("10%,20%", setup.trace, setup.eval_start)
+    choices = choose_settings(setup, ["lru", "slru", "tlru"], sizes, jobs=1, hindsight=True)
+    assert set(choices) == {"slru", "tlru"}  # lru has no knob
+    for name, c in choices.items():
+        assert set(c.profile) == set(PEERS[name].knob.values) and set(c.hindsight) == set(c.profile)
+        assert c.profile[c.chosen] == max(c.profile.values())
+        assert c.hindsight[c.hindsight_best] == max(c.hindsight.values())
+        assert setup.peer_settings[name] == c.chosen
+        assert c.cache_blocks == max(sizes)  # the middle of two sizes
+    # The sweep then runs the chosen setting.
+    runs = sweep(setup, ["tlru"], sizes, jobs=1)
+    assert {r.extra["setting"] for r in runs} == {choices["tlru"].chosen}
+
+
+def test_progress_bars_only_on_a_terminal():
+    quiet = io.StringIO()
+    board = ProgressBoard(quiet)
+    assert not board.enabled
+    rep = RunReporter(board, 0, "lru @100", 1000)
+    rep(500)
+    rep.close()
+    board.write("done")
+    assert quiet.getvalue() == "done\n"
+
+    out = io.StringIO()
+    board = ProgressBoard(out, enabled=True)
+    rep = RunReporter(board, 0, "lru @100", 1000)
+    rep(256)
+    board.write("a result line")
+    text = out.getvalue()
+    assert "lru @100" in text and "256/1000 requests" in text and "left" in text
+    assert "a result line\n" in text and "\x1b[1F\x1b[J" in text  # bars redrawn below the line
+    rep.close()
+    board.close()
+
+
+def test_cli_replay_peers_with_fixed_settings_and_hints_in_table(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    rc = cli_main([
+        "replay", MOONCAKE, "--policies", "lru,tlru,ttl-tool,opt", "--cache-blocks", "400,800",
+        "--peer-settings", "tlru=0.8,ttl-tool=100", "--json", str(out_json), "--no-cache", "--jobs", "1",
+    ])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ttl-tool*" in text and "slo=0.8 (fixed)" in text and "this trace has no conversation" in text
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["peer_settings_fixed"] == {"tlru": 0.8, "ttl-tool": 100.0}
+    rec = {(r["policy"], r["cache_blocks"]): r for r in data["results"]}
+    assert rec[("tlru", 400)]["extra"]["setting"] == 0.8
+    assert rec[("ttl-tool", 800)]["extra"]["client_hints"] == ["conversation", "outcome"]
+    assert rec[("tlru", 800)]["gap_closed"] is not None
+
+
+@pytest.mark.parametrize(
+    "spec, msg",
+    [("tlru=-1", "xi"), ("slru=2.5", "integer"), ("arc=3", "no knob"), ("nope=1", "PEER=VALUE"), ("tlru", "PEER=VALUE"),
+     ("ttl-tool=abc", "number"), ("slru=3", "not among")],
+)
+def test_cli_rejects_bad_peer_settings(spec, msg, capsys):
+    with pytest.raises(SystemExit, match=msg):
+        policies = "lru,tlru,ttl-tool,arc" + (",slru" if spec == "slru=2.5" else "")
+        cli_main(["replay", MOONCAKE, "--policies", policies, "--peer-settings", spec, "--no-cache"])

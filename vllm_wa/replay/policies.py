@@ -133,6 +133,7 @@ class PeerPolicy(ReplayPolicy):
     setting: float | None = None
     block_size: int = 16
     conversations: bool = False
+    outcomes: bool = True  # whether the trace says how replies ended
     prefill_tokens_per_s: float = 10_000.0
 
     def _build(self, blocks: list[KVCacheBlock], capacity: int, num_block_ids: int | None) -> PeerQueue:
@@ -169,7 +170,12 @@ class PeerPolicy(ReplayPolicy):
 
     def report(self) -> dict[str, Any]:
         assert self.spec is not None
-        out: dict[str, Any] = {"source": self.spec.source, "client_hints": list(self.spec.hints)}
+        available = {"conversation": self.conversations, "outcome": self.outcomes}
+        out: dict[str, Any] = {
+            "source": self.spec.source,
+            "client_hints": list(self.spec.hints),
+            "client_hints_missing": [h for h in self.spec.hints if not available[h]],
+        }
         if self.spec.knob is not None:
             out["knob"] = self.spec.knob.name
             out["setting"] = self.setting

@@ -66,6 +66,11 @@ class Trace:
     def tags(self) -> list[str]:
         return sorted({r.tag for r in self.requests})
 
+    @property
+    def has_outcomes(self) -> bool:
+        """Whether any request says how its reply ended (a client hint for some peers)."""
+        return any(r.outcome is not None for r in self.requests)
+
     def with_requests(self, requests: list[TraceRequest]) -> Trace:
         """The same trace (name, format, notes) with other requests."""
         return replace(self, requests=requests, notes=list(self.notes))

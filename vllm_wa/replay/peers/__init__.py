@@ -22,7 +22,7 @@ from vllm_wa.replay.peers.slru import SLRUQueue
 from vllm_wa.replay.peers.tlru import TLRUQueue
 from vllm_wa.replay.peers.ttl_tool import TTLToolQueue
 
-__all__ = ["PEERS", "Knob", "PeerContext", "PeerQueue", "PeerSpec", "RequestHints"]
+__all__ = ["PEERS", "Knob", "PeerContext", "PeerQueue", "PeerSpec", "RequestHints", "check_setting"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ PEERS: dict[str, PeerSpec] = {
             "slru",
             "SGLang SLRUStrategy (mem_cache/evict_policy.py, #18843)",
             (),
-            lambda blocks, ctx, k: SLRUQueue(blocks, ctx.block_size, ctx.num_block_ids, protected_threshold=int(k)),
+            lambda blocks, ctx, k: SLRUQueue(blocks, ctx.block_size, ctx.num_block_ids, protected_threshold=k),
             Knob("protected_threshold", (2, 3, 5, 7, 9), 2),
         ),
         PeerSpec(
@@ -118,3 +118,12 @@ PEERS: dict[str, PeerSpec] = {
         ),
     )
 }
+
+
+def check_setting(name: str, value: float) -> float:
+    """``value`` if peer ``name`` accepts it as its knob's setting; ValueError saying why not."""
+    spec = PEERS[name]
+    if spec.knob is None:
+        raise ValueError(f"{name} has no knob")
+    spec.build([KVCacheBlock(0), KVCacheBlock(1)], PeerContext(capacity=1, block_size=16), value)
+    return value

@@ -110,6 +110,7 @@ class ARCQueue(PeerQueue):
         self._pending_hits = ()
         hashes, key_of, where, stamp = req.hashes, self.key_of, self.where, self.stamp
         b1, b2, resident = self.b1, self.b2, self.resident
+        primary = resident.primary
         tick = self._tick
         for j in range(n_hit, len(blocks)):
             bid = blocks[j].block_id
@@ -118,9 +119,12 @@ class ARCQueue(PeerQueue):
             where[bid] = _T1
             tick += 1
             stamp[bid] = tick
-            b1.pop(key, None)
-            b2.pop(key, None)
-            resident.add(key, bid)
+            if b1 and key in b1:
+                del b1[key]
+            if b2 and key in b2:
+                del b2[key]
+            if primary.setdefault(key, bid) != bid:
+                resident.add(key, bid)  # a second block holding the key
         self.t1_size += len(blocks) - n_hit
         self._tick = tick
 
@@ -134,50 +138,54 @@ class ARCQueue(PeerQueue):
         if len(heaps[_T1]) + len(heaps[_T2]) > 4 * (self.num_free_blocks + 1024):
             self._compact()
 
-    def _pop(self, lst: int) -> int | None:
-        heap, where, stamp, is_free = self._heaps[lst], self.where, self.stamp, self.is_free
-        while heap:
-            s, bid = heapq.heappop(heap)
-            if is_free[bid] and where[bid] == lst and stamp[bid] == s:
-                return bid
-        return None
-
     def _evict(self, n: int) -> list[KVCacheBlock]:
+        heaps, where, stamp, is_free = self._heaps, self.where, self.stamp, self.is_free
+        heappop = heapq.heappop
         out: list[KVCacheBlock] = []
+        from_t1: list[bool] = []
         virtual_t1 = self.t1_size
         target = int(self.target_t1_size)
         while len(out) < n:
-            bid = None
-            if virtual_t1 >= target:
-                bid = self._pop(_T1)
-                if bid is not None:
-                    virtual_t1 -= 1
-            if bid is None:
-                bid = self._pop(_T2)
-            if bid is None:  # vLLM #55461: fall back to T1
-                bid = self._pop(_T1)
-                if bid is not None:
-                    virtual_t1 -= 1
-            if bid is None:
+            bid = -1
+            # T1 while it is at its target, else T2; T1 again when T2 runs out (vLLM #55461).
+            for lst in (_T1, _T2, _T1) if virtual_t1 >= target else (_T2, _T1):
+                heap = heaps[lst]
+                while heap:
+                    s, b = heappop(heap)
+                    if is_free[b] and where[b] == lst and stamp[b] == s:
+                        bid = b
+                        break
+                if bid >= 0:
+                    if lst == _T1:
+                        virtual_t1 -= 1
+                    from_t1.append(lst == _T1)
+                    break
+            if bid < 0:
                 raise RuntimeError("ARC found fewer evictable blocks than the queue counts")
-            self.is_free[bid] = 0  # not eligible again in this pass
+            is_free[bid] = 0  # not eligible again in this pass
             out.append(self.block[bid])
         # Commit: the victims leave T1/T2 for the ghost lists.
-        b1, b2, where, key_of, resident = self.b1, self.b2, self.where, self.key_of, self.resident
-        for b in out:
+        b1, b2, key_of, resident = self.b1, self.b2, self.key_of, self.resident
+        primary, others = resident.primary, resident._others
+        n1 = 0
+        for b, t1 in zip(out, from_t1):
             bid = b.block_id
             key = key_of[bid]
-            gone = resident.discard(key, bid)
-            if where[bid] == _T1:
-                self.t1_size -= 1
+            if others and key in others:
+                gone = resident.discard(key, bid)
+            else:
+                del primary[key]
+                gone = True
+            if t1:
+                n1 += 1
                 if gone:
                     b1[key] = None
-            else:
-                self.t2_size -= 1
-                if gone:
-                    b2[key] = None
+            elif gone:
+                b2[key] = None
             where[bid] = 0
             key_of[bid] = None
+        self.t1_size -= n1
+        self.t2_size -= len(out) - n1
         cap = self.capacity
         while len(b1) > cap:
             b1.popitem(last=False)

@@ -153,16 +153,15 @@ class PeerQueue:
         if not blocks:
             return
         is_free = self.is_free
-        cached = []
         for b in blocks:
             is_free[b.block_id] = 1
-            if b._block_hash is None:
-                self._unhashed.append(b)
-            else:
-                cached.append(b)
         self.num_free_blocks += len(blocks)
-        if cached:
-            self._free_cached(cached)
+        if None in [b._block_hash for b in blocks]:  # rare: vLLM prepends these instead
+            self._unhashed.extend(b for b in blocks if b._block_hash is None)
+            blocks = [b for b in blocks if b._block_hash is not None]
+            if not blocks:
+                return
+        self._free_cached(blocks if isinstance(blocks, list) else list(blocks))
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         for b in reversed(blocks):

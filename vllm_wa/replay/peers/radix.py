@@ -142,23 +142,38 @@ class RadixLeafQueue(PeerQueue):
 
     def _evict(self, n: int) -> list[KVCacheBlock]:
         heap, version, is_free, children, parent = self._heap, self.version, self.is_free, self.children, self.parent
+        key_of, block, priority = self.key_of, self.block, self.priority
         out: list[KVCacheBlock] = []
+        nxt = -1  # a leaf known to come before everything in the heap
         while len(out) < n:
-            if not heap:
-                raise RuntimeError("no evictable leaf although the queue counts free blocks")
-            _, bid, v = heapq.heappop(heap)
-            if v != version[bid] or not is_free[bid] or children[bid]:
-                continue
+            if nxt >= 0:
+                bid, nxt = nxt, -1
+            else:
+                if not heap:
+                    raise RuntimeError("no evictable leaf although the queue counts free blocks")
+                _, bid, v = heapq.heappop(heap)
+                if v != version[bid] or not is_free[bid] or children[bid]:
+                    continue
             is_free[bid] = 0
             version[bid] += 1
-            out.append(self.block[bid])
+            out.append(block[bid])
+            key_of[bid] = None
             p = parent[bid]
-            parent[bid] = -1
-            self.key_of[bid] = None
             if p >= 0:
+                parent[bid] = -1
                 children[p] -= 1
                 if not children[p] and is_free[p]:
-                    self._push(p)
+                    # The new leaf usually goes next (a chain is evicted tail
+                    # first): skip the heap when it beats the heap's minimum.
+                    pr = priority(p)
+                    if heap and not pr < heap[0][0]:
+                        v = version[p] + 1
+                        version[p] = v
+                        heapq.heappush(heap, (pr, p, v))
+                    else:
+                        nxt = p
+        if nxt >= 0:
+            self._push(nxt)
         return out
 
     def _compact(self) -> None:

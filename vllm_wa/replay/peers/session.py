@@ -37,6 +37,7 @@ source's constants).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,9 @@ class Session:
     hits: float
     last_touch: int
     prefix_depth: int
-    blocks: list[int] = field(default_factory=list)  # block ids; stale entries skipped
+    # Evictable blocks, newest stored first, as (-store sequence, block id);
+    # entries of blocks pinned or gone since are skipped when popped.
+    free_heap: list[tuple[int, int]] = field(default_factory=list)
     live: int = 0  # blocks still in this session
     free: int = 0  # of which evictable
 
@@ -169,7 +172,8 @@ class SessionQueue(PeerQueue):
         self._sessionless = FreeKVCacheBlockQueue([])
         n = max((b.block_id for b in blocks), default=-1) + 1 if num_block_ids is None else num_block_ids
         self.session_of = [-1] * n
-        self.slot = [0] * n  # index in its session's block list
+        self.stored_seq = [0] * n  # order of storing, newest last
+        self._seq = 0
         super().__init__(blocks, num_block_ids)
 
     # ---- lookup and touch -----------------------------------------------------------------
@@ -244,23 +248,29 @@ class SessionQueue(PeerQueue):
             ghost, norm = self.ghost, self.ghost_norm
             for j in range(n_hit, len(blocks)):
                 s.hits += ghost.read(hashes[j], True) / norm
-        session_of, slot, lst = self.session_of, self.slot, s.blocks
+        session_of, stored_seq, seq = self.session_of, self.stored_seq, self._seq
         for j in range(n_hit, len(blocks)):
             bid = blocks[j].block_id
             session_of[bid] = sid
-            slot[bid] = len(lst)
-            lst.append(bid)
+            seq += 1
+            stored_seq[bid] = seq
+        self._seq = seq
         s.live += len(blocks) - n_hit
 
     # ---- queue ------------------------------------------------------------------------------
 
     def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
-        session_of, sessions = self.session_of, self.sessions
+        session_of, sessions, stored_seq = self.session_of, self.sessions, self.stored_seq
         loose = []
         for b in blocks:
-            sid = session_of[b.block_id]
+            bid = b.block_id
+            sid = session_of[bid]
             if sid >= 0:
-                sessions[sid].free += 1
+                s = sessions[sid]
+                s.free += 1
+                heapq.heappush(s.free_heap, (-stored_seq[bid], bid))
+                if len(s.free_heap) > 4 * s.free + 256:
+                    self._compact(sid, s)
             else:
                 loose.append(b)
         if loose:
@@ -298,37 +308,25 @@ class SessionQueue(PeerQueue):
             for b in out:
                 self._drop(b.block_id)
         if len(out) < n:
-            candidates = [s for s in self.sessions.items() if s[1].free > 0]
+            candidates = [item for item in self.sessions.items() if item[1].free > 0]
             candidates.sort(key=lambda item: item[1].score())
-            is_free, session_of, slot = self.is_free, self.session_of, self.slot
+            is_free, session_of, stored_seq, block = self.is_free, self.session_of, self.stored_seq, self.block
             for sid, s in candidates:
-                lst = s.blocks
-                i = len(lst) - 1
-                while i >= 0 and len(out) < n and s.free > 0:
-                    bid = lst[i]
-                    if session_of[bid] != sid or slot[bid] != i:
-                        if i == len(lst) - 1:
-                            lst.pop()  # stale tail entry
-                        i -= 1
+                heap = s.free_heap
+                while s.free > 0 and len(out) < n:
+                    neg_seq, bid = heapq.heappop(heap)
+                    if session_of[bid] != sid or stored_seq[bid] != -neg_seq or not is_free[bid]:
                         continue
-                    if is_free[bid]:
-                        out.append(self.block[bid])
-                        is_free[bid] = 0
-                        if i == len(lst) - 1:
-                            lst.pop()
-                        self._drop(bid)
-                    i -= 1
+                    out.append(block[bid])
+                    is_free[bid] = 0
+                    self._drop(bid)
                 if len(out) == n:
                     break
-                if sid in self.sessions and len(lst) > 64 and len(lst) > 2 * s.live:
-                    self._compact(sid, s)
         if len(out) < n:
             raise RuntimeError("session: fewer evictable blocks than the queue counts")
         return out
 
     def _compact(self, sid: int, s: Session) -> None:
-        session_of, slot = self.session_of, self.slot
-        live = [bid for i, bid in enumerate(s.blocks) if session_of[bid] == sid and slot[bid] == i]
-        for i, bid in enumerate(live):
-            slot[bid] = i
-        s.blocks = live
+        session_of, stored_seq, is_free = self.session_of, self.stored_seq, self.is_free
+        live = {(q, bid) for q, bid in s.free_heap if session_of[bid] == sid and stored_seq[bid] == -q and is_free[bid]}
+        s.free_heap = sorted(live)

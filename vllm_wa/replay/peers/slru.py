@@ -23,11 +23,11 @@ from vllm_wa.replay.peers.radix import RadixLeafQueue
 
 class SLRUQueue(RadixLeafQueue):
     def __init__(
-        self, blocks: list[KVCacheBlock], block_size: int, num_block_ids: int | None = None, protected_threshold: int = 2
+        self, blocks: list[KVCacheBlock], block_size: int, num_block_ids: int | None = None, protected_threshold: float = 2
     ) -> None:
-        if protected_threshold < 1:
-            raise ValueError(f"slru protected_threshold must be >= 1, got {protected_threshold}")
-        self.protected_threshold = protected_threshold
+        if not (protected_threshold >= 1 and float(protected_threshold).is_integer()):
+            raise ValueError(f"slru protected_threshold must be an integer >= 1, got {protected_threshold}")
+        self.protected_threshold = int(protected_threshold)
         super().__init__(blocks, block_size, num_block_ids)
 
     def priority(self, bid: int) -> tuple[int, int, int]:

@@ -44,7 +44,7 @@ class TLRUQueue(RadixLeafQueue):
         xi_tokens: float,
         qhat_tokens: float = 200.0,
     ) -> None:
-        if xi_tokens < 0 or qhat_tokens < 0:
+        if not (0 <= xi_tokens < float("inf") and 0 <= qhat_tokens < float("inf")):
             raise ValueError(f"tlru xi and Q_hat must be >= 0 tokens, got {xi_tokens}, {qhat_tokens}")
         self.xi_tokens = xi_tokens
         self.qhat_tokens = qhat_tokens

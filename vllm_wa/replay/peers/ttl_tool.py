@@ -86,7 +86,7 @@ class TTLToolQueue(PeerQueue):
         num_block_ids: int | None = None,
         fixed_ttl_s: float | None = None,
     ) -> None:
-        if not break_even_s > 0:
+        if not 0 < break_even_s < float("inf"):
             raise ValueError(f"ttl-tool break_even_s must be positive, got {break_even_s}")
         self.break_even_s = break_even_s
         self.fixed_ttl_s = fixed_ttl_s
