@@ -209,7 +209,7 @@ POLICIES = ["lru", "wa-offline", "opt", "infinite", *PEERS]
 
 @pytest.mark.parametrize("which", ["agentic", "mooncake"])
 def test_fast_and_vllm_engines_agree_for_every_policy(which, agentic, mooncake):
-    trace = agentic.head(250) if which == "agentic" else mooncake
+    trace = agentic.head(150) if which == "agentic" else mooncake
     results = {}
     for engine in ("fast", "vllm"):
         cfg = ReplayConfig(engine=engine)
@@ -228,10 +228,10 @@ def test_fast_and_vllm_engines_agree_for_every_policy(which, agentic, mooncake):
 
 @pytest.mark.parametrize("which", ["agentic", "mooncake"])
 def test_opt_bounds_every_policy_and_infinite_bounds_opt(which, agentic, mooncake):
-    trace = agentic if which == "agentic" else mooncake
+    trace = agentic.head(1200) if which == "agentic" else mooncake
     cfg = ReplayConfig()
     setup = prepare(trace, POLICIES, cfg)
-    sizes = resolve_sizes("3%,8%,20%", setup.trace, setup.eval_start)
+    sizes = resolve_sizes("4%,20%", setup.trace, setup.eval_start)
     res = sweep(setup, POLICIES, sizes, jobs=2)
     inf = next(r for r in res if r.policy == "infinite")
     for n in sizes:

@@ -135,7 +135,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             done[0] += 1
             _progress(
                 f"  [{done[0]}/{n_tasks}] {r.policy:<10} {r.cache_blocks:>9} blocks: "
-                f"token hit {100 * r.token_hit_rate:6.2f}%  ({r.wall_s:.1f}s)"
+                f"token hit {100 * r.token_hit_rate:6.2f}%  ({r.wall_s:.1f}s, {r.cpu_s:.1f}s CPU)"
             )
 
         all_results.extend(sweep(setup, policies, sizes, jobs=args.jobs, on_result=on_result, board=_BOARD))

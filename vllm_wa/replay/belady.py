@@ -79,7 +79,7 @@ class BeladyFreeQueue:
         self._entries = 0
         self._fresh: list[KVCacheBlock] = []  # blocks without a hash, evicted first
         self._orphans: list[KVCacheBlock] = []  # free blocks whose parent was evicted
-        self._blocks: dict[int, KVCacheBlock] = {}
+        self._blocks: list[KVCacheBlock | None] = [None] * n
         # Prefix links recorded by the oracle: the parent block and the hash it
         # held, and each block's children.
         self.parent: list[tuple[KVCacheBlock, object] | None] = [None] * n
@@ -130,6 +130,7 @@ class BeladyFreeQueue:
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         version, is_free, parent, next_use = self._version, self._is_free, self.parent, self.next_use
         buckets, blocks_by_id = self._buckets, self._blocks
+        last_key, bucket = None, None  # a prompt's blocks mostly share their next use
         for b in blocks:
             bid = b.block_id
             if b._block_hash is None:
@@ -145,10 +146,12 @@ class BeladyFreeQueue:
                 self._orphans.append(b)
                 continue
             key = next_use[bid]
-            bucket = buckets.get(key)
-            if bucket is None:
-                bucket = buckets[key] = deque()
-                heapq.heappush(self._keys, -key)
+            if key != last_key:
+                last_key = key
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = deque()
+                    heapq.heappush(self._keys, -key)
             bucket.append((bid, ver))
         self._entries += len(blocks)
         self.num_free_blocks += len(blocks)
@@ -171,6 +174,19 @@ class BeladyFreeQueue:
         self.num_free_blocks -= 1
         # (a stale entry in _orphans is skipped when popped: it is not free)
 
+    def remove_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``remove`` on each block in turn."""
+        is_free, version = self._is_free, self._version
+        for block in blocks:
+            bid = block.block_id
+            if not is_free[bid]:
+                raise RuntimeError(f"remove() called on a block that is not free: {bid}")
+            is_free[bid] = 0
+            version[bid] += 1
+            if block._block_hash is None:
+                self._fresh.remove(block)
+        self.num_free_blocks -= len(blocks)
+
     def popleft(self) -> KVCacheBlock:
         if self.num_free_blocks <= 0:
             raise ValueError("No free blocks available")
@@ -181,6 +197,7 @@ class BeladyFreeQueue:
         out: list[KVCacheBlock] = []
         fresh, version, is_free = self._fresh, self._version, self._is_free
         orphans, buckets, keys, blocks = self._orphans, self._buckets, self._keys, self._blocks
+        children = self.children
         while len(out) < n and fresh:
             b = fresh.pop()
             is_free[b.block_id] = 0
@@ -204,7 +221,8 @@ class BeladyFreeQueue:
                 b = blocks[bid]
             is_free[b.block_id] = 0
             out.append(b)
-            self._orphan_children(b)
+            if b.block_id in children:
+                self._orphan_children(b)
         self.num_free_blocks -= n
         if self._entries > 4 * (self.num_free_blocks + 1024):
             self._compact()

@@ -46,6 +46,7 @@ class RunResult:
     hit_blocks: int = 0
     prompt_blocks: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the run (wall_s includes waiting for a core)
     windows: list[dict[str, float]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -109,7 +110,7 @@ def run_one(
     res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
     win = cfg.window_seconds
     win_hits: dict[int, list[int]] = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # The replay allocates millions of small long-lived objects; the cyclic
     # collector would rescan them all again and again (3x slower runs).
     gc_was_enabled = gc.isenabled()
@@ -120,6 +121,7 @@ def run_one(
         if gc_was_enabled:
             gc.enable()
     res.wall_s = time.perf_counter() - t0
+    res.cpu_s = time.process_time() - c0
     if win is not None:
         res.windows = [
             {"start": trace.start + k * win, "token_hit_rate": h / p if p else 0.0, "prompt_tokens": p}

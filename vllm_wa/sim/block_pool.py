@@ -2,7 +2,8 @@
 
 It runs the very same free-queue objects as the engine (vLLM's
 ``FreeKVCacheBlockQueue``, :class:`WorkloadAwareFreeQueue`, the Belady queue)
-over real ``KVCacheBlock`` objects, and mirrors the order of operations of
+over real ``KVCacheBlock`` objects (a queue may offer ``remove_n``, the
+same as ``remove`` on each block in turn, to take a prompt's hits at once), and mirrors the order of operations of
 ``KVCacheManager`` for a single full-attention group: look the prompt up
 (the last block is never a hit, as vLLM recomputes it for logits), check that
 new blocks plus touched free hits fit, touch the hits, pop new blocks
@@ -84,11 +85,18 @@ class SimBlockPool:
         if n_new + evictable > queue.num_free_blocks:
             return False
         if evictable:
-            remove = queue.remove
-            for b in hits:
-                if b.ref_cnt == 0:
-                    remove(b)
-                b.ref_cnt += 1
+            # A queue may take the free hits in one call (same order, same effect).
+            remove_n = getattr(queue, "remove_n", None)
+            if remove_n is not None:
+                remove_n([b for b in hits if not b.ref_cnt])
+                for b in hits:
+                    b.ref_cnt += 1
+            else:
+                remove = queue.remove
+                for b in hits:
+                    if b.ref_cnt == 0:
+                        remove(b)
+                    b.ref_cnt += 1
         else:
             for b in hits:
                 b.ref_cnt += 1

@@ -101,7 +101,7 @@ PEERS: dict[str, PeerSpec] = {
             "T-LRU, arXiv 2510.15152; SGLang TLRUStrategy (#34012)",
             (),
             _tlru,
-            Knob("slo", (0.05, 0.2, 0.8, 3.2, 12.8), 0.4096, "s"),
+            Knob("slo", (0.03, 0.06, 0.12, 0.5, 2.0), 0.4096, "s"),
         ),
         PeerSpec(
             "session",
@@ -114,7 +114,7 @@ PEERS: dict[str, PeerSpec] = {
             "Continuum, arXiv 2511.02230 (KV time-to-live after tool calls)",
             ("conversation", "outcome"),
             lambda blocks, ctx, b: TTLToolQueue(blocks, float(b), ctx.num_block_ids),
-            Knob("break_even", (3, 10, 30, 100, 300, 1000), 30, "s"),
+            Knob("break_even", (30, 100, 300, 1000, 3000, 10000), 30, "s"),
         ),
     )
 }

@@ -69,32 +69,42 @@ class ARCQueue(PeerQueue):
 
     def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
         primary = self.resident.primary
-        where, stamp, is_free, heaps = self.where, self.stamp, self.is_free, self._heaps
+        where, stamp, is_free = self.where, self.stamp, self.is_free
+        h2 = self._heaps[_T2]
         b1, b2 = self.b1, self.b2
         n_hit = len(hit_blocks)
         tick = self._tick
-        for j in range(len(hashes) - 1, -1, -1):
+        promoted = 0
+        # Reverse prompt order, as the source; first the part past the hit prefix.
+        for j in range(len(hashes) - 1, n_hit - 1, -1):
             key = hashes[j]
             bid = primary.get(key)
             if bid is not None:
-                w = where[bid]
-                if w == _T1:
+                if where[bid] == _T1:
                     where[bid] = _T2
-                    self.t1_size -= 1
-                    self.t2_size += 1
+                    promoted += 1
                 tick += 1
                 stamp[bid] = tick
-                # Hits are pinned right after; other free entries move in place.
-                if j >= n_hit and is_free[bid]:
-                    heapq.heappush(heaps[_T2], (tick, bid))
-            elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, self.capacity)
+                if is_free[bid]:  # stays free: it moves in place
+                    heapq.heappush(h2, (tick, bid))
+            elif b1 and key in b1:
+                r = len(b2) / len(b1)
+                self.target_t1_size = min(self.target_t1_size + (r if r > 1.0 else 1.0), self.capacity)
                 b1.move_to_end(key)
-            elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+            elif b2 and key in b2:
+                r = len(b1) / len(b2)
+                self.target_t1_size = max(self.target_t1_size - (r if r > 1.0 else 1.0), 0.0)
                 b2.move_to_end(key)
+        # The hit prefix: the blocks lookups find for these keys, pinned right after.
+        for b in reversed(hit_blocks):
+            bid = b.block_id
+            if where[bid] == _T1:
+                where[bid] = _T2
+                promoted += 1
+            tick += 1
+            stamp[bid] = tick
+        self.t1_size -= promoted
+        self.t2_size += promoted
         self._tick = tick
         self._pending_hits = hit_blocks
 
@@ -130,6 +140,9 @@ class ARCQueue(PeerQueue):
 
     # ---- queue ------------------------------------------------------------------------------
 
+    def _unfree_cached_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Nothing to do: a pinned block's heap entries are skipped when popped."""
+
     def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
         heaps, where, stamp = self._heaps, self.where, self.stamp
         for b in blocks:
@@ -139,33 +152,48 @@ class ARCQueue(PeerQueue):
             self._compact()
 
     def _evict(self, n: int) -> list[KVCacheBlock]:
-        heaps, where, stamp, is_free = self._heaps, self.where, self.stamp, self.is_free
+        stamp, is_free, block = self.stamp, self.is_free, self.block
+        h1, h2 = self._heaps[_T1], self._heaps[_T2]
         heappop = heapq.heappop
         out: list[KVCacheBlock] = []
         from_t1: list[bool] = []
         virtual_t1 = self.t1_size
         target = int(self.target_t1_size)
-        while len(out) < n:
+        # Stamps are unique and renewed on every move between lists, so an
+        # entry whose stamp still matches is in the list its heap stands for.
+        for _ in range(n):
             bid = -1
-            # T1 while it is at its target, else T2; T1 again when T2 runs out (vLLM #55461).
-            for lst in (_T1, _T2, _T1) if virtual_t1 >= target else (_T2, _T1):
-                heap = heaps[lst]
-                while heap:
-                    s, b = heappop(heap)
-                    if is_free[b] and where[b] == lst and stamp[b] == s:
+            if virtual_t1 >= target:
+                while h1:
+                    s, b = heappop(h1)
+                    if is_free[b] and stamp[b] == s:
+                        bid = b
+                        break
+            if bid >= 0:
+                virtual_t1 -= 1
+                from_t1.append(True)
+            else:
+                while h2:
+                    s, b = heappop(h2)
+                    if is_free[b] and stamp[b] == s:
                         bid = b
                         break
                 if bid >= 0:
-                    if lst == _T1:
-                        virtual_t1 -= 1
-                    from_t1.append(lst == _T1)
-                    break
-            if bid < 0:
-                raise RuntimeError("ARC found fewer evictable blocks than the queue counts")
+                    from_t1.append(False)
+                else:  # vLLM #55461: fall back to T1
+                    while h1:
+                        s, b = heappop(h1)
+                        if is_free[b] and stamp[b] == s:
+                            bid = b
+                            break
+                    if bid < 0:
+                        raise RuntimeError("ARC found fewer evictable blocks than the queue counts")
+                    virtual_t1 -= 1
+                    from_t1.append(True)
             is_free[bid] = 0  # not eligible again in this pass
-            out.append(self.block[bid])
+            out.append(block[bid])
         # Commit: the victims leave T1/T2 for the ghost lists.
-        b1, b2, key_of, resident = self.b1, self.b2, self.key_of, self.resident
+        b1, b2, key_of, resident, where = self.b1, self.b2, self.key_of, self.resident, self.where
         primary, others = resident.primary, resident._others
         n1 = 0
         for b, t1 in zip(out, from_t1):
@@ -194,8 +222,8 @@ class ARCQueue(PeerQueue):
         return out
 
     def _compact(self) -> None:
-        where, stamp, is_free = self.where, self.stamp, self.is_free
+        stamp, is_free = self.stamp, self.is_free
         for lst in (_T1, _T2):
-            live = [(s, bid) for s, bid in self._heaps[lst] if is_free[bid] and where[bid] == lst and stamp[bid] == s]
+            live = [(s, bid) for s, bid in self._heaps[lst] if is_free[bid] and stamp[bid] == s]
             heapq.heapify(live)
             self._heaps[lst][:] = live

@@ -85,6 +85,11 @@ class PeerQueue:
     def _unfree_cached(self, block: KVCacheBlock) -> None:
         """A free cached block was hit and is pinned again."""
 
+    def _unfree_cached_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Several were (``_unfree_cached`` on each, in order)."""
+        for b in blocks:
+            self._unfree_cached(b)
+
     def _evict(self, n: int) -> list[KVCacheBlock]:
         """Choose ``n`` free cached blocks to reuse; they are no longer cached after."""
         raise NotImplementedError
@@ -145,6 +150,21 @@ class PeerQueue:
             self._unhashed.remove(block)
         else:
             self._unfree_cached(block)
+
+    def remove_n(self, blocks: list[KVCacheBlock]) -> None:
+        """``remove`` on each block in turn."""
+        is_free = self.is_free
+        for b in blocks:
+            if not is_free[b.block_id]:
+                raise RuntimeError(f"remove() called on a block that is not free: {b.block_id}")
+            is_free[b.block_id] = 0
+        self.num_free_blocks -= len(blocks)
+        if None in [b._block_hash for b in blocks]:
+            for b in blocks:
+                if b._block_hash is None:
+                    self._unhashed.remove(b)
+            blocks = [b for b in blocks if b._block_hash is not None]
+        self._unfree_cached_n(blocks)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])

@@ -132,6 +132,9 @@ class RadixLeafQueue(PeerQueue):
         self.version[bid] = v
         heapq.heappush(self._heap, (self.priority(bid), bid, v))
 
+    def _unfree_cached_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Nothing to do: a pinned block's heap entries are skipped when popped."""
+
     def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
         children = self.children
         for b in blocks:

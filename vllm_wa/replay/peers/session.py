@@ -54,6 +54,13 @@ GHOST_PRUNE_THRESHOLD = 0.01
 _POS_WEIGHTS = [1.0 / math.log2(i + 2.0) for i in range(1024)]
 
 
+def _position_weights(n: int) -> list[float]:
+    """``1 / log2(position + 2)`` for positions below ``n`` (the source's table, grown on demand)."""
+    if n > len(_POS_WEIGHTS):
+        _POS_WEIGHTS.extend(1.0 / math.log2(i + 2.0) for i in range(len(_POS_WEIGHTS), n))
+    return _POS_WEIGHTS
+
+
 @dataclass
 class Session:
     """Blocks stored together (in order) and their access statistics."""
@@ -79,37 +86,33 @@ class GhostScores:
     """Per-key popularity with SAE's periodic decay and pruning, applied lazily.
 
     The source multiplies every score by ``factor`` each tick and drops
-    non-resident scores under the threshold. Here a score is kept with the
-    tick it was last written at and decayed when read; it reads as pruned
-    (zero) if, at some tick since, it was both non-resident and under the
-    threshold: the key became non-resident at ``evicted_tick`` and stayed so
-    (a key is touched before it is stored again, which reads it).
+    non-resident scores under the threshold. Here a score is kept as
+    ``[value, tick written, tick evicted]`` and decayed when read; it reads as
+    pruned (zero) if, at some tick since it was written, it was both
+    non-resident and under the threshold: the key became non-resident when
+    evicted and stayed so (a key is touched, which reads it, before it is
+    stored again).
     """
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
         self.tick = 0
-        self._value: dict[Any, float] = {}
-        self._written: dict[Any, int] = {}
-        self._evicted_tick: dict[Any, int] = {}
+        self.entries: dict[Any, list] = {}
 
     def read(self, key: Any, resident: bool) -> float:
-        v = self._value.get(key)
-        if v is None:
+        e = self.entries.get(key)
+        if e is None:
             return 0.0
-        m = self.tick - self._written[key]
+        v, written, evicted = e
+        m = self.tick - written
         if m <= 0:
             return v
         if not resident:
-            since = self._evicted_tick.get(key, -1)
-            # ticks t in (written, now] where the key was non-resident:
-            first = max(self._written[key], since) + 1
-            if first <= self.tick and v * self.factor ** (self.tick - self._written[key]) < GHOST_PRUNE_THRESHOLD:
-                # Under the threshold by the last tick; was it already at a non-resident tick?
-                below = self._written[key] + self._ticks_until_below(v)
-                if max(below, first) <= self.tick:
-                    del self._value[key], self._written[key]
-                    self._evicted_tick.pop(key, None)
+            first = max(written, evicted) + 1  # first non-resident tick since written
+            if first <= self.tick and v * self.factor**m < GHOST_PRUNE_THRESHOLD:
+                # Under the threshold by now; was it already, at a non-resident tick?
+                if max(written + self._ticks_until_below(v), first) <= self.tick:
+                    del self.entries[key]
                     return 0.0
         return v * self.factor**m
 
@@ -122,15 +125,20 @@ class GhostScores:
         return m
 
     def add(self, key: Any, resident: bool, amount: float) -> None:
-        self._value[key] = self.read(key, resident) + amount
-        self._written[key] = self.tick
+        v = self.read(key, resident) + amount
+        e = self.entries.get(key)
+        if e is None:
+            self.entries[key] = [v, self.tick, -1]
+        else:
+            e[0], e[1] = v, self.tick
 
     def evicted(self, key: Any) -> None:
-        if key in self._value:
-            self._evicted_tick[key] = self.tick
+        e = self.entries.get(key)
+        if e is not None:
+            e[2] = self.tick
 
     def __len__(self) -> int:
-        return len(self._value)
+        return len(self.entries)
 
 
 class SessionQueue(PeerQueue):
@@ -189,18 +197,31 @@ class SessionQueue(PeerQueue):
         # touch
         self.logical_time += 1
         primary, ghost = self.resident.primary, self.ghost
-        hit_w, miss_w, weights = self.ghost_hit_weight, self.ghost_miss_weight, _POS_WEIGHTS
+        hit_w, miss_w = self.ghost_hit_weight, self.ghost_miss_weight
+        weights = _position_weights(len(hashes))
+        entries, tick = ghost.entries, ghost.tick
         touched: set[int] = set()
-        for pos, key in enumerate(hashes):
-            bid = primary.get(key)
-            w = weights[pos] if pos < 1024 else 1.0 / math.log2(pos + 2.0)
+        last_sid = -1
+        n_hit = len(hit_blocks)
+        for pos in range(len(hashes)):
+            key = hashes[pos]
+            # The hit prefix is resident: its blocks are the ones lookups find.
+            bid = hit_blocks[pos].block_id if pos < n_hit else primary.get(key)
             if bid is not None:
-                ghost.add(key, True, w * hit_w)
+                amount = weights[pos] * hit_w
                 sid = session_of[bid]
-                if sid >= 0:
+                if sid != last_sid and sid >= 0:
                     touched.add(sid)
+                    last_sid = sid
             else:
-                ghost.add(key, False, w * miss_w)
+                amount = weights[pos] * miss_w
+            e = entries.get(key)
+            if e is None:  # fast paths of GhostScores.add: nothing to decay
+                entries[key] = [amount, tick, -1]
+            elif e[1] == tick:
+                e[0] += amount
+            else:
+                ghost.add(key, bid is not None, amount)
         t = self.logical_time
         for sid in touched:
             s = sessions[sid]
@@ -269,7 +290,7 @@ class SessionQueue(PeerQueue):
                 s = sessions[sid]
                 s.free += 1
                 heapq.heappush(s.free_heap, (-stored_seq[bid], bid))
-                if len(s.free_heap) > 4 * s.free + 256:
+                if len(s.free_heap) > 2 * s.live + 256:  # stale entries: at most `live` stay
                     self._compact(sid, s)
             else:
                 loose.append(b)
@@ -283,21 +304,22 @@ class SessionQueue(PeerQueue):
         else:
             self._sessionless.remove(block)
 
-    def _drop(self, bid: int) -> None:
-        """``bid`` is evicted: it leaves its session (deleted when empty) and the key index."""
-        key = self.key_of[bid]
-        if key is not None:
-            if self.resident.discard(key, bid):
-                self.ghost.evicted(key)
-            self.key_of[bid] = None
-        sid = self.session_of[bid]
-        if sid >= 0:
-            s = self.sessions[sid]
-            self.session_of[bid] = -1
-            s.live -= 1
-            s.free -= 1
-            if s.live == 0:
-                del self.sessions[sid]
+    def _forget_keys(self, victims: list[KVCacheBlock]) -> None:
+        """The victims are no longer cached: their keys leave the index, ghosts note it."""
+        key_of, resident, entries, tick = self.key_of, self.resident, self.ghost.entries, self.ghost.tick
+        primary, others = resident.primary, resident._others
+        for b in victims:
+            bid = b.block_id
+            key = key_of[bid]
+            key_of[bid] = None
+            if others and key in others:
+                if not resident.discard(key, bid):
+                    continue
+            else:
+                del primary[key]
+            e = entries.get(key)
+            if e is not None:
+                e[2] = tick
 
     def _evict(self, n: int) -> list[KVCacheBlock]:
         self._evicted_this_request = True
@@ -305,25 +327,33 @@ class SessionQueue(PeerQueue):
         loose = self._sessionless
         if loose.num_free_blocks:
             out = loose.popleft_n(min(n, loose.num_free_blocks))
-            for b in out:
-                self._drop(b.block_id)
         if len(out) < n:
-            candidates = [item for item in self.sessions.items() if item[1].free > 0]
+            sessions = self.sessions
+            candidates = [item for item in sessions.items() if item[1].free > 0]
             candidates.sort(key=lambda item: item[1].score())
             is_free, session_of, stored_seq, block = self.is_free, self.session_of, self.stored_seq, self.block
+            heappop = heapq.heappop
             for sid, s in candidates:
                 heap = s.free_heap
-                while s.free > 0 and len(out) < n:
-                    neg_seq, bid = heapq.heappop(heap)
+                taken = 0
+                want = min(n - len(out), s.free)
+                while taken < want:
+                    neg_seq, bid = heappop(heap)
                     if session_of[bid] != sid or stored_seq[bid] != -neg_seq or not is_free[bid]:
                         continue
                     out.append(block[bid])
                     is_free[bid] = 0
-                    self._drop(bid)
+                    session_of[bid] = -1
+                    taken += 1
+                s.live -= taken
+                s.free -= taken
+                if s.live == 0:
+                    del sessions[sid]
                 if len(out) == n:
                     break
         if len(out) < n:
             raise RuntimeError("session: fewer evictable blocks than the queue counts")
+        self._forget_keys(out)
         return out
 
     def _compact(self, sid: int, s: Session) -> None:

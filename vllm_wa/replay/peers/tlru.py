@@ -66,6 +66,6 @@ class TLRUQueue(RadixLeafQueue):
         super().on_admitted(req, blocks, n_hit, now)
 
     def priority(self, bid: int) -> tuple[int, int, int]:
-        budget = max(self.history_len[bid] + self.qhat_tokens - self.xi_tokens, 0.0)
-        cached_before = self.depth[bid] * self.block_size
-        return (-1 if cached_before >= budget else 0, self.last_access[bid], bid)
+        # TEL-safe: the tokens cached before it reach max(L + Q_hat - xi, 0).
+        safe = self.depth[bid] * self.block_size >= self.history_len[bid] + self.qhat_tokens - self.xi_tokens
+        return (-1 if safe else 0, self.last_access[bid], bid)
