@@ -90,6 +90,30 @@ def test_arc_ghost_hits_grow_t1_target():
     assert q.target_t1_size == 2
 
 
+def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from vllm_wa.replay.peers.arc import ARCQueue
+    from vllm_wa.replay.peers.base import RequestHints
+
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = ARCQueue(blocks, capacity=4)
+    q.popleft()  # vLLM's null block
+    got = q.popleft_n(4)
+    for b, h in zip(got, [11, 12, 13, 14]):
+        b._block_hash = h
+    q.on_admitted(RequestHints("a", [11, 12], 32), got[:2], 0, 0.0)  # T1: blocks 1, 2
+    q.on_admitted(RequestHints("b", [13, 14], 32), got[2:], 0, 0.0)  # T1: blocks 3, 4
+    q.on_lookup(RequestHints("c", [13, 14], 32), got[2:3], [13, 14], 0.0)  # both move to T2
+    assert (q.t1_size, q.t2_size) == (2, 2)
+    q.append_n(got)
+    q.remove(got[2])
+    q.remove(got[3])  # T2 is all pinned
+    q.target_t1_size = 3.0  # and T1 is below its target: vLLM #55461 takes T1's oldest
+    assert [b.block_id for b in q.popleft_n(1)] == [1]
+    assert 11 in q.b1 and q.t1_size == 1
+
+
 @pytest.mark.parametrize("name, setting", [("slru", 3), ("lfu", None)])
 def test_sglang_frequency_policies_keep_reused_prefix_through_a_scan(name, setting):
     lru, p = both(name, 6, scan_after_reuse, setting=setting)

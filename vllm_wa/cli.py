@@ -10,7 +10,7 @@ import time
 from importlib import resources
 
 from vllm_wa.controller.config import ControllerConfig
-from vllm_wa.replay.knobs import choose_settings
+from vllm_wa.replay.knobs import add_hindsight, choose_settings
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
@@ -96,6 +96,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     all_results = []
     unique: dict[str, int] = {}
     choices: dict[str, dict] = {}
+    timing: dict[str, dict[str, float]] = {}
     t_start = time.perf_counter()
     for path in args.traces:
         t0 = time.perf_counter()
@@ -106,6 +107,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             + (" (SYNTHETIC)" if trace.synthetic else "")
             + f", loaded in {time.perf_counter() - t0:.1f}s"
         )
+        timing[trace.name] = {"load_s": time.perf_counter() - t0}
         setup = prepare(trace, policies, cfg)
         unique[trace.name] = setup.trace.unique_blocks(since=setup.eval_start)
         sizes = resolve_sizes(args.cache_blocks, setup.trace, setup.eval_start)
@@ -115,19 +117,28 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
         setup.peer_settings.update(fixed)
 
-        def on_tuning(r):
+        def on_tuning(r, half="profile"):
             _progress(
-                f"  tuning {r.policy:<8} {_setting(r):<24} {r.cache_blocks:>9} blocks: "
-                f"token hit {100 * r.token_hit_rate:6.2f}% on the profile half ({r.wall_s:.1f}s)"
+                f"  {'tuning' if half == 'profile' else 'hindsight'} {r.policy:<8} {_setting(r):<24} "
+                f"{r.cache_blocks:>9} blocks: token hit {100 * r.token_hit_rate:6.2f}% on the {half} half "
+                f"({r.wall_s:.1f}s, {r.cpu_s:.1f}s CPU)"
             )
 
         to_tune = [p for p in policies if p not in fixed]
-        tuned = choose_settings(
-            setup, to_tune, sizes, jobs=args.jobs, hindsight=args.peer_hindsight, on_result=on_tuning, board=_BOARD
-        )
+        t_phase = time.perf_counter()
+        tuned = choose_settings(setup, to_tune, sizes, jobs=args.jobs, on_result=on_tuning, board=_BOARD)
         choices[trace.name] = tuned
         for p, c in tuned.items():
             _progress(f"  {p}: {c.knob}={c.chosen:g}{c.unit} chosen on the profile half at {c.cache_blocks} blocks")
+        if tuned:
+            timing[trace.name]["tuning_s"] = time.perf_counter() - t_phase
+            _progress(f"[{path}] knob tuning took {timing[trace.name]['tuning_s']:.1f}s")
+        if tuned and args.peer_hindsight:
+            t_phase = time.perf_counter()
+            add_hindsight(setup, tuned, jobs=args.jobs, on_result=lambda r: on_tuning(r, "evaluated"), board=_BOARD)
+            timing[trace.name]["hindsight_s"] = time.perf_counter() - t_phase
+            _progress(f"[{path}] hindsight runs took {timing[trace.name]['hindsight_s']:.1f}s (not part of the sweep)")
+        t_phase = time.perf_counter()
         n_tasks = sum(1 if p == "infinite" else len(sizes) for p in policies)
         done = [0]
 
@@ -139,6 +150,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             )
 
         all_results.extend(sweep(setup, policies, sizes, jobs=args.jobs, on_result=on_result, board=_BOARD))
+        timing[trace.name]["sweep_s"] = time.perf_counter() - t_phase
+        timing[trace.name]["total_s"] = time.perf_counter() - t0
+        _progress(f"[{path}] sweep took {timing[trace.name]['sweep_s']:.1f}s")
     elapsed = time.perf_counter() - t_start
     print(report.format_table(all_results, unique, choices))
     print(f"replay took {elapsed:.1f}s")
@@ -153,6 +167,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "unique_blocks_eval": unique,
         "peer_settings": {t: {p: c.to_json() for p, c in cs.items()} for t, cs in choices.items()},
         "peer_settings_fixed": fixed,
+        "timing_s": timing,
         "elapsed_s": elapsed,
     }
     if args.json:

@@ -74,7 +74,9 @@ class BeladyFreeQueue:
         self.next_use = [NEVER] * n
         self._version = [0] * n
         self._is_free = bytearray(n)
-        self._buckets: dict[int, deque[tuple[int, int]]] = {}
+        # Bucket entries are ``version << id_bits | block id``.
+        self._buckets: dict[int, deque[int]] = {}
+        self.id_bits = max(1, n.bit_length())
         self._keys: list[int] = []  # max-heap (negated) of bucket keys
         self._entries = 0
         self._fresh: list[KVCacheBlock] = []  # blocks without a hash, evicted first
@@ -104,7 +106,7 @@ class BeladyFreeQueue:
         if bucket is None:
             bucket = self._buckets[key] = deque()
             heapq.heappush(self._keys, -key)
-        bucket.append((bid, ver))
+        bucket.append((ver << self.id_bits) | bid)
         self._entries += 1
 
     def rekey(self, b: KVCacheBlock) -> None:
@@ -129,7 +131,7 @@ class BeladyFreeQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         version, is_free, parent, next_use = self._version, self._is_free, self.parent, self.next_use
-        buckets, blocks_by_id = self._buckets, self._blocks
+        buckets, blocks_by_id, shift = self._buckets, self._blocks, self.id_bits
         last_key, bucket = None, None  # a prompt's blocks mostly share their next use
         for b in blocks:
             bid = b.block_id
@@ -152,7 +154,7 @@ class BeladyFreeQueue:
                 if bucket is None:
                     bucket = buckets[key] = deque()
                     heapq.heappush(self._keys, -key)
-            bucket.append((bid, ver))
+            bucket.append((ver << shift) | bid)
         self._entries += len(blocks)
         self.num_free_blocks += len(blocks)
 
@@ -198,6 +200,8 @@ class BeladyFreeQueue:
         fresh, version, is_free = self._fresh, self._version, self._is_free
         orphans, buckets, keys, blocks = self._orphans, self._buckets, self._keys, self._blocks
         children = self.children
+        shift = self.id_bits
+        mask = (1 << shift) - 1
         while len(out) < n and fresh:
             b = fresh.pop()
             is_free[b.block_id] = 0
@@ -214,9 +218,10 @@ class BeladyFreeQueue:
                     del buckets[key]
                     heapq.heappop(keys)
                     continue
-                bid, ver = bucket.popleft()
+                e = bucket.popleft()
+                bid = e & mask
                 self._entries -= 1
-                if ver != version[bid] or not is_free[bid]:
+                if e >> shift != version[bid] or not is_free[bid]:
                     continue
                 b = blocks[bid]
             is_free[b.block_id] = 0
@@ -229,9 +234,10 @@ class BeladyFreeQueue:
         return out
 
     def _compact(self) -> None:
-        version, is_free = self._version, self._is_free
+        version, is_free, shift = self._version, self._is_free, self.id_bits
+        mask = (1 << shift) - 1
         for key, bucket in list(self._buckets.items()):
-            live = deque(e for e in bucket if e[1] == version[e[0]] and is_free[e[0]])
+            live = deque(e for e in bucket if e >> shift == version[e & mask] and is_free[e & mask])
             if live:
                 self._buckets[key] = live
             else:
@@ -243,9 +249,11 @@ class BeladyFreeQueue:
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         yield from reversed(self._fresh)
         yield from (b for b in reversed(self._orphans) if self._is_free[b.block_id])
+        mask = (1 << self.id_bits) - 1
         for key in sorted(self._buckets, reverse=True):
-            for bid, ver in self._buckets[key]:
-                if ver == self._version[bid] and self._is_free[bid]:
+            for e in self._buckets[key]:
+                bid = e & mask
+                if e >> self.id_bits == self._version[bid] and self._is_free[bid]:
                     yield self._blocks[bid]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:

@@ -92,13 +92,25 @@ def choose_settings(
         p: KnobChoice(p, PEERS[p].knob.name, PEERS[p].knob.unit, size, _scores(runs, p, PEERS[p].knob.values))
         for p in tunable
     }
-    if hindsight:
-        runs = run_tasks(setup, tasks, jobs, on_result, board)
-        for p, c in choices.items():
-            c.hindsight = _scores(runs, p, PEERS[p].knob.values)
     for p, c in choices.items():
         setup.peer_settings[p] = c.chosen
+    if hindsight:
+        add_hindsight(setup, choices, jobs, on_result, board)
     return choices
+
+
+def add_hindsight(
+    setup: SweepSetup,
+    choices: dict[str, KnobChoice],
+    jobs: int = 0,
+    on_result: Callable[[RunResult], None] | None = None,
+    board: ProgressBoard | None = None,
+) -> None:
+    """Replay every candidate on the whole trace at the tuning size: the hindsight-best setting."""
+    tasks = [Task(p, c.cache_blocks, v) for p, c in choices.items() for v in PEERS[p].knob.values]
+    runs = run_tasks(setup, tasks, jobs, on_result, board)
+    for p, c in choices.items():
+        c.hindsight = _scores(runs, p, PEERS[p].knob.values)
 
 
 def _scores(runs: Sequence[RunResult], peer: str, values: Sequence[float]) -> dict[float, float]:

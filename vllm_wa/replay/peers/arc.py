@@ -56,21 +56,22 @@ class ARCQueue(PeerQueue):
         self.t1_size = 0
         self.t2_size = 0
         self._tick = 0
-        # Free resident entries of T1 / T2 as (stamp, block id); stale entries
-        # (stamp or list changed, block pinned) are skipped when popped.
-        self._heaps: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]] = ([], [], [])
+        # Free resident entries of T1 / T2 as ``stamp << id_bits | block id``;
+        # stale ones (stamp renewed, block pinned) are skipped when popped.
+        self._heaps: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._pending_hits: Sequence[KVCacheBlock] = ()
         super().__init__(blocks, num_block_ids)
         n = self.num_block_ids
         self.where = bytearray(n)
         self.stamp = [0] * n
+        self.id_bits = max(1, n.bit_length())
 
     # ---- touch and insert -------------------------------------------------------------------
 
     def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
         primary = self.resident.primary
         where, stamp, is_free = self.where, self.stamp, self.is_free
-        h2 = self._heaps[_T2]
+        h2, shift = self._heaps[_T2], self.id_bits
         b1, b2 = self.b1, self.b2
         n_hit = len(hit_blocks)
         tick = self._tick
@@ -86,7 +87,7 @@ class ARCQueue(PeerQueue):
                 tick += 1
                 stamp[bid] = tick
                 if is_free[bid]:  # stays free: it moves in place
-                    heapq.heappush(h2, (tick, bid))
+                    heapq.heappush(h2, (tick << shift) | bid)
             elif b1 and key in b1:
                 r = len(b2) / len(b1)
                 self.target_t1_size = min(self.target_t1_size + (r if r > 1.0 else 1.0), self.capacity)
@@ -113,7 +114,7 @@ class ARCQueue(PeerQueue):
         for b in self._pending_hits:
             bid = b.block_id
             if self.is_free[bid]:
-                heapq.heappush(self._heaps[self.where[bid]], (self.stamp[bid], bid))
+                heapq.heappush(self._heaps[self.where[bid]], (self.stamp[bid] << self.id_bits) | bid)
         self._pending_hits = ()
 
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
@@ -144,10 +145,10 @@ class ARCQueue(PeerQueue):
         """Nothing to do: a pinned block's heap entries are skipped when popped."""
 
     def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
-        heaps, where, stamp = self._heaps, self.where, self.stamp
+        heaps, where, stamp, shift = self._heaps, self.where, self.stamp, self.id_bits
         for b in blocks:
             bid = b.block_id
-            heapq.heappush(heaps[where[bid]], (stamp[bid], bid))
+            heapq.heappush(heaps[where[bid]], (stamp[bid] << shift) | bid)
         if len(heaps[_T1]) + len(heaps[_T2]) > 4 * (self.num_free_blocks + 1024):
             self._compact()
 
@@ -155,6 +156,8 @@ class ARCQueue(PeerQueue):
         stamp, is_free, block = self.stamp, self.is_free, self.block
         h1, h2 = self._heaps[_T1], self._heaps[_T2]
         heappop = heapq.heappop
+        shift = self.id_bits
+        mask = (1 << shift) - 1
         out: list[KVCacheBlock] = []
         from_t1: list[bool] = []
         virtual_t1 = self.t1_size
@@ -165,8 +168,9 @@ class ARCQueue(PeerQueue):
             bid = -1
             if virtual_t1 >= target:
                 while h1:
-                    s, b = heappop(h1)
-                    if is_free[b] and stamp[b] == s:
+                    e = heappop(h1)
+                    b = e & mask
+                    if is_free[b] and stamp[b] == e >> shift:
                         bid = b
                         break
             if bid >= 0:
@@ -174,16 +178,18 @@ class ARCQueue(PeerQueue):
                 from_t1.append(True)
             else:
                 while h2:
-                    s, b = heappop(h2)
-                    if is_free[b] and stamp[b] == s:
+                    e = heappop(h2)
+                    b = e & mask
+                    if is_free[b] and stamp[b] == e >> shift:
                         bid = b
                         break
                 if bid >= 0:
                     from_t1.append(False)
                 else:  # vLLM #55461: fall back to T1
                     while h1:
-                        s, b = heappop(h1)
-                        if is_free[b] and stamp[b] == s:
+                        e = heappop(h1)
+                        b = e & mask
+                        if is_free[b] and stamp[b] == e >> shift:
                             bid = b
                             break
                     if bid < 0:
@@ -222,8 +228,9 @@ class ARCQueue(PeerQueue):
         return out
 
     def _compact(self) -> None:
-        stamp, is_free = self.stamp, self.is_free
+        stamp, is_free, shift = self.stamp, self.is_free, self.id_bits
+        mask = (1 << shift) - 1
         for lst in (_T1, _T2):
-            live = [(s, bid) for s, bid in self._heaps[lst] if is_free[bid] and stamp[bid] == s]
+            live = [e for e in self._heaps[lst] if is_free[e & mask] and stamp[e & mask] == e >> shift]
             heapq.heapify(live)
             self._heaps[lst][:] = live

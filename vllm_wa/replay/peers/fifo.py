@@ -11,5 +11,6 @@ from vllm_wa.replay.peers.radix import RadixLeafQueue
 
 
 class FIFOQueue(RadixLeafQueue):
-    def priority(self, bid: int) -> tuple[int, int]:
-        return (self.creation[bid], bid)
+    def priority(self, bid: int) -> int:
+        # creation_time, then the block id
+        return (self.creation[bid] << self.id_bits) | bid

@@ -13,5 +13,6 @@ from vllm_wa.replay.peers.radix import RadixLeafQueue
 
 
 class LFUQueue(RadixLeafQueue):
-    def priority(self, bid: int) -> tuple[int, int, int]:
-        return (self.hit_count[bid], self.last_access[bid], bid)
+    def priority(self, bid: int) -> int:
+        # (hit_count, last_access_time), then the block id
+        return (((self.hit_count[bid] << 40) | self.last_access[bid]) << self.id_bits) | bid

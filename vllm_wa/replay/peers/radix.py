@@ -42,10 +42,12 @@ from vllm_wa.replay.peers.base import PeerQueue, RequestHints
 class RadixLeafQueue(PeerQueue):
     """Free blocks as radix leaves, evicted in ascending :meth:`priority`.
 
-    Subclasses define ``priority(bid)`` from the per-block statistics below;
-    a free block's priority only changes while it is pinned (or when a lookup
-    that did not fit touched it), so candidates wait in a heap of
-    ``(priority, block id)`` entries checked against a version number.
+    Subclasses define ``priority(bid)`` from the per-block statistics below,
+    packed into one integer whose low ``id_bits`` bits are the block id (a
+    total order, compared without building tuples). A free block's priority
+    only changes while it is pinned (or when a lookup that did not fit touched
+    it), so candidates wait in a heap, each entry valid while it is the key
+    last queued for its block.
 
     Args:
         blocks: the free blocks.
@@ -55,7 +57,7 @@ class RadixLeafQueue(PeerQueue):
 
     def __init__(self, blocks: list[KVCacheBlock], block_size: int, num_block_ids: int | None = None) -> None:
         self.block_size = block_size
-        self._heap: list[tuple[Any, int, int]] = []
+        self._heap: list[int] = []
         self._clock = 0
         self._pending_hits: Sequence[KVCacheBlock] = ()
         n = max((b.block_id for b in blocks), default=-1) + 1 if num_block_ids is None else num_block_ids
@@ -65,10 +67,12 @@ class RadixLeafQueue(PeerQueue):
         self.last_access = [0] * n
         self.creation = [0] * n
         self.hit_count = [0] * n
-        self.version = [0] * n
+        self.queued = [-1] * n  # the key last pushed for a block (-1: none valid)
+        self.id_bits = max(1, n.bit_length())
         super().__init__(blocks, num_block_ids)
 
-    def priority(self, bid: int) -> Any:
+    def priority(self, bid: int) -> int:
+        """The block's eviction key: lowest first; its low ``id_bits`` bits are ``bid``."""
         raise NotImplementedError
 
     # ---- statistics (match and insert) ------------------------------------------------------
@@ -102,7 +106,7 @@ class RadixLeafQueue(PeerQueue):
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
         self._pending_hits = ()
         key_of, hashes, parent, children, depth = self.key_of, req.hashes, self.parent, self.children, self.depth
-        creation, hits, version = self.creation, self.hit_count, self.version
+        creation, hits, queued = self.creation, self.hit_count, self.queued
         t = self._clock + 1  # prefill's insert creates the new nodes
         prev = blocks[n_hit - 1].block_id if n_hit > 0 else -1
         for j in range(n_hit, len(blocks)):
@@ -115,7 +119,7 @@ class RadixLeafQueue(PeerQueue):
             depth[bid] = j
             creation[bid] = t
             hits[bid] = 0
-            version[bid] += 1
+            queued[bid] = -1
             prev = bid
         self._clock += 1  # the new nodes' creation time
 
@@ -128,9 +132,9 @@ class RadixLeafQueue(PeerQueue):
     # ---- queue ------------------------------------------------------------------------------
 
     def _push(self, bid: int) -> None:
-        v = self.version[bid] + 1
-        self.version[bid] = v
-        heapq.heappush(self._heap, (self.priority(bid), bid, v))
+        key = self.priority(bid)
+        self.queued[bid] = key
+        heapq.heappush(self._heap, key)
 
     def _unfree_cached_n(self, blocks: list[KVCacheBlock]) -> None:
         """Nothing to do: a pinned block's heap entries are skipped when popped."""
@@ -144,8 +148,10 @@ class RadixLeafQueue(PeerQueue):
             self._compact()
 
     def _evict(self, n: int) -> list[KVCacheBlock]:
-        heap, version, is_free, children, parent = self._heap, self.version, self.is_free, self.children, self.parent
+        heap, queued, is_free, children, parent = self._heap, self.queued, self.is_free, self.children, self.parent
         key_of, block, priority = self.key_of, self.block, self.priority
+        mask = (1 << self.id_bits) - 1
+        heappop, heappush = heapq.heappop, heapq.heappush
         out: list[KVCacheBlock] = []
         nxt = -1  # a leaf known to come before everything in the heap
         while len(out) < n:
@@ -154,11 +160,12 @@ class RadixLeafQueue(PeerQueue):
             else:
                 if not heap:
                     raise RuntimeError("no evictable leaf although the queue counts free blocks")
-                _, bid, v = heapq.heappop(heap)
-                if v != version[bid] or not is_free[bid] or children[bid]:
+                key = heappop(heap)
+                bid = key & mask
+                if queued[bid] != key or not is_free[bid] or children[bid]:
                     continue
             is_free[bid] = 0
-            version[bid] += 1
+            queued[bid] = -1
             out.append(block[bid])
             key_of[bid] = None
             p = parent[bid]
@@ -169,10 +176,9 @@ class RadixLeafQueue(PeerQueue):
                     # The new leaf usually goes next (a chain is evicted tail
                     # first): skip the heap when it beats the heap's minimum.
                     pr = priority(p)
-                    if heap and not pr < heap[0][0]:
-                        v = version[p] + 1
-                        version[p] = v
-                        heapq.heappush(heap, (pr, p, v))
+                    if heap and pr > heap[0]:
+                        queued[p] = pr
+                        heappush(heap, pr)
                     else:
                         nxt = p
         if nxt >= 0:
@@ -180,6 +186,7 @@ class RadixLeafQueue(PeerQueue):
         return out
 
     def _compact(self) -> None:
-        version, is_free, children = self.version, self.is_free, self.children
-        self._heap = [e for e in self._heap if e[2] == version[e[1]] and is_free[e[1]] and not children[e[1]]]
+        queued, is_free, children = self.queued, self.is_free, self.children
+        mask = (1 << self.id_bits) - 1
+        self._heap = [k for k in self._heap if queued[k & mask] == k and is_free[k & mask] and not children[k & mask]]
         heapq.heapify(self._heap)

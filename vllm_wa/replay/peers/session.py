@@ -68,9 +68,9 @@ class Session:
     hits: float
     last_touch: int
     prefix_depth: int
-    # Evictable blocks, newest stored first, as (-store sequence, block id);
+    # Evictable blocks, newest stored first, as ``-(store sequence << id_bits | block id)``;
     # entries of blocks pinned or gone since are skipped when popped.
-    free_heap: list[tuple[int, int]] = field(default_factory=list)
+    free_heap: list[int] = field(default_factory=list)
     live: int = 0  # blocks still in this session
     free: int = 0  # of which evictable
 
@@ -182,6 +182,7 @@ class SessionQueue(PeerQueue):
         self.session_of = [-1] * n
         self.stored_seq = [0] * n  # order of storing, newest last
         self._seq = 0
+        self.id_bits = max(1, n.bit_length())
         super().__init__(blocks, num_block_ids)
 
     # ---- lookup and touch -----------------------------------------------------------------
@@ -281,7 +282,7 @@ class SessionQueue(PeerQueue):
     # ---- queue ------------------------------------------------------------------------------
 
     def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
-        session_of, sessions, stored_seq = self.session_of, self.sessions, self.stored_seq
+        session_of, sessions, stored_seq, shift = self.session_of, self.sessions, self.stored_seq, self.id_bits
         loose = []
         for b in blocks:
             bid = b.block_id
@@ -289,7 +290,7 @@ class SessionQueue(PeerQueue):
             if sid >= 0:
                 s = sessions[sid]
                 s.free += 1
-                heapq.heappush(s.free_heap, (-stored_seq[bid], bid))
+                heapq.heappush(s.free_heap, -((stored_seq[bid] << shift) | bid))
                 if len(s.free_heap) > 2 * s.live + 256:  # stale entries: at most `live` stay
                     self._compact(sid, s)
             else:
@@ -333,13 +334,16 @@ class SessionQueue(PeerQueue):
             candidates.sort(key=lambda item: item[1].score())
             is_free, session_of, stored_seq, block = self.is_free, self.session_of, self.stored_seq, self.block
             heappop = heapq.heappop
+            shift = self.id_bits
+            mask = (1 << shift) - 1
             for sid, s in candidates:
                 heap = s.free_heap
                 taken = 0
                 want = min(n - len(out), s.free)
                 while taken < want:
-                    neg_seq, bid = heappop(heap)
-                    if session_of[bid] != sid or stored_seq[bid] != -neg_seq or not is_free[bid]:
+                    e = -heappop(heap)
+                    bid = e & mask
+                    if session_of[bid] != sid or stored_seq[bid] != e >> shift or not is_free[bid]:
                         continue
                     out.append(block[bid])
                     is_free[bid] = 0
@@ -358,5 +362,9 @@ class SessionQueue(PeerQueue):
 
     def _compact(self, sid: int, s: Session) -> None:
         session_of, stored_seq, is_free = self.session_of, self.stored_seq, self.is_free
-        live = {(q, bid) for q, bid in s.free_heap if session_of[bid] == sid and stored_seq[bid] == -q and is_free[bid]}
+        shift = self.id_bits
+        mask = (1 << shift) - 1
+        live = {
+            k for k in s.free_heap if session_of[-k & mask] == sid and stored_seq[-k & mask] == -k >> shift and is_free[-k & mask]
+        }
         s.free_heap = sorted(live)

@@ -30,5 +30,7 @@ class SLRUQueue(RadixLeafQueue):
         self.protected_threshold = int(protected_threshold)
         super().__init__(blocks, block_size, num_block_ids)
 
-    def priority(self, bid: int) -> tuple[int, int, int]:
-        return (1 if self.hit_count[bid] >= self.protected_threshold else 0, self.last_access[bid], bid)
+    def priority(self, bid: int) -> int:
+        # (protected segment, last_access_time), then the block id
+        protected = 1 << 40 if self.hit_count[bid] >= self.protected_threshold else 0
+        return ((protected | self.last_access[bid]) << self.id_bits) | bid

@@ -65,7 +65,8 @@ class TLRUQueue(RadixLeafQueue):
             hw[blocks[j].block_id] = 0
         super().on_admitted(req, blocks, n_hit, now)
 
-    def priority(self, bid: int) -> tuple[int, int, int]:
+    def priority(self, bid: int) -> int:
         # TEL-safe: the tokens cached before it reach max(L + Q_hat - xi, 0).
         safe = self.depth[bid] * self.block_size >= self.history_len[bid] + self.qhat_tokens - self.xi_tokens
-        return (-1 if safe else 0, self.last_access[bid], bid)
+        # (-1 if TEL-safe else 0, last_access_time), then the block id
+        return (((0 if safe else 1 << 40) | self.last_access[bid]) << self.id_bits) | bid
