@@ -26,8 +26,9 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, sample_rate_for
-from vllm_wa.controller.features import FeatureKey
-from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.engine_patch.block_tagger import RequestTags
+from vllm_wa.engine_patch.conversations import TurnTiming
+from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent, FinishedEvent, FreedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.params import ReuseModel, WAParams
 from vllm_wa.workload_classes import ClassRegistry
@@ -36,8 +37,6 @@ from vllm_wa.workload_classes import ClassRegistry
 def event_stream(rate: float, seconds: float, seed: int = 0):
     """Yields (time, event) at ``rate`` events/s: per request, one lookup with
     ~8 sampled hashes, ~8 frees, ~8 evictions and one finish (18 events)."""
-    from vllm_wa.engine_patch.events import BlockEvent
-
     rng = random.Random(seed)
     per_req = 18
     req_rate = rate / per_req
@@ -53,12 +52,14 @@ def event_stream(rate: float, seconds: float, seed: int = 0):
         hashes = tuple((j, (conv, turn - 1 if j < 6 else turn, j)) for j in range(8))
         rid = f"r{n}"
         n += 1
-        yield t, LookupEvent(EventKind.LOOKUP, t, rid, tag, 0, 6, 8, hashes)
+        yield t, LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ())
+        req = RequestTags(rid, tag, "tool" if tag == "tool" else "stop", 100,
+                          TurnTiming(conv, 0, turn + 1, 10.0 if turn else None, 0.1 if turn else None))
         for j, h in hashes:
-            yield t, FreedEvent(EventKind.FREED, t, h, tag, "tool" if tag == "tool" else "stop", j, turn)
+            yield t, FreedEvent(EventKind.FREED, t, h, req, j, turn)
         for j in range(8):
-            yield t, BlockEvent(EventKind.EVICTED, t, 0, 30.0, (rng.randrange(200), rng.randrange(max(1, turn)), j))
-        yield t, FinishedEvent(EventKind.FINISHED, t, rid, tag, "tool" if tag == "tool" else "stop", 8)
+            yield t, EvictedEvent(EventKind.EVICTED, t, (rng.randrange(200), rng.randrange(max(1, turn)), j))
+        yield t, FinishedEvent(EventKind.FINISHED, t, rid, req)
 
 
 def bench_cpu(rate: float, seconds: float, cache_blocks: int | None = None) -> dict[str, float]:

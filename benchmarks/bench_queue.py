@@ -9,6 +9,7 @@ blocks.
 
     make bench-queue                # all sizes
     python benchmarks/bench_queue.py --sizes 10000 --rounds 3
+    python benchmarks/bench_queue.py --classes 35   # the Bailian mix under the default class key
 """
 
 from __future__ import annotations
@@ -173,11 +174,15 @@ def best_of(bench, n: int, rounds: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    global NUM_CLASSES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--rounds", type=int, default=3, help="best of N rounds per cell")
+    ap.add_argument("--classes", type=int, default=NUM_CLASSES,
+                    help="workload classes in use (the Bailian mix under the default key: 35)")
     ap.add_argument("--json", help="write the table as JSON here")
     args = ap.parse_args()
+    NUM_CLASSES = args.classes
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for n in sizes:

@@ -12,7 +12,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_wa.replay.engines import model_free_kv_cache_manager
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.sim.clock import SettableClock
 
 

@@ -14,8 +14,20 @@ from vllm_wa.controller.controller import WAController
 from vllm_wa.controller.estimators import ReuseEstimator, fit_model
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
-from vllm_wa.controller.survival import SurvivalData, fit_exponential, fit_hyperexponential, naive_exponential
-from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.controller.survival import (
+    SurvivalData,
+    fit_exponential,
+    fit_hyperexponential,
+    naive_exponential,
+)
+from vllm_wa.engine_patch.block_tagger import RequestTags
+from vllm_wa.engine_patch.events import (
+    EventKind,
+    EventSink,
+    FinishedEvent,
+    FreedEvent,
+    LookupEvent,
+)
 from vllm_wa.params import ReuseModel, WAParams
 
 # ---- estimation under censoring --------------------------------------------------------------
@@ -32,7 +44,7 @@ def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, gh
     est = ReuseEstimator(memory_s=1e12, drift_forget=1.0)  # a stationary stream: no forgetting
     tracker = ReuseTracker(
         ghost_capacity=ghost_capacity, watch_capacity=10 * n, max_watch_s=1e9,
-        on_reuse=lambda k, gap: est.update(gap=gap), on_censored=lambda k, e: est.update(exposure=e),
+        on_reuse=lambda k, gap: est.update(gap), on_censored=lambda k, e: est.censor(e),
     )
     naive = SurvivalData()
     events = []
@@ -66,7 +78,7 @@ def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, gh
                 resident.discard(i)
     end = events[-1][0]
     for _, exposure in tracker.at_risk(end):
-        est.update(exposure=exposure)
+        est.censor(exposure)
     return est, naive, evicted_before_reuse / n
 
 
@@ -124,11 +136,11 @@ def test_drift_detector_shortens_memory():
     est = ReuseEstimator(memory_s=1e9, drift_delta=0.002, drift_forget=0.25)
     rng = random.Random(1)
     for _ in range(3000):
-        est.update(gap=rng.expovariate(1 / 5))
+        est.update(rng.expovariate(1 / 5))
     before = est.data.n_events
     fired = False
     for _ in range(3000):
-        fired |= est.update(gap=rng.expovariate(1 / 500))
+        fired |= est.update(rng.expovariate(1 / 500))
     assert fired and est.drifts >= 1
     # Old short gaps were largely forgotten: the fit reflects the new regime.
     assert est.data.n_events < before + 3000
@@ -140,7 +152,9 @@ def test_drift_detector_shortens_memory():
 
 
 def small_config(**kw) -> ControllerConfig:
-    base = dict(refit_interval_s=1.0, min_samples=5, tuner_min_lookups=10, tuner_hold_s=0.0, tuner_window_s=60.0)
+    base = dict(refit_interval_s=1.0, fit_interval_s=1.0, min_samples=5, tuner_min_requests=10, tuner_min_batches=2,
+                tuner_batch_s=1.0, tuner_window_s=60.0, tuner_demote_window_s=10.0,
+                initial="tag+outcome/hyper/posterior/L10")
     base.update(kw)
     return ControllerConfig(**base)
 
@@ -161,11 +175,12 @@ def feed(sink: EventSink, t0: float, n_conv: int = 6, rounds: int = 8, gap_tool:
             tag = "tool" if c % 2 else "human"
             rid = f"{tag}-{c}-{r}"
             hashes = tuple((j, (c, j)) for j in range(4 + r))
-            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, 0, 0, len(hashes), hashes))
+            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ()))
             t += 0.1
+            req = RequestTags(rid, tag, "tool" if tag == "tool" else "stop")
             for j, h in hashes:
-                sink.emit(FreedEvent(EventKind.FREED, t, h, tag, "tool" if tag == "tool" else "stop", j, r))
-            sink.emit(FinishedEvent(EventKind.FINISHED, t, rid, tag, "tool" if tag == "tool" else "stop", len(hashes)))
+                sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, r))
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, rid, req))
         t += gap_tool if r % 3 else gap_human
     return t
 
@@ -201,7 +216,7 @@ def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("fit exploded")
 
-    monkeypatch.setattr(mod, "fit_model", boom)
+    monkeypatch.setattr(mod.ModelFit, "get", boom)
     clock[0] = feed(sink, clock[0])
     c.refit()  # must not raise
     assert c.errors == 1 and "fit exploded" in c.last_error
@@ -209,34 +224,6 @@ def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
     monkeypatch.undo()
     c.refit()
     assert c.errors == 1 and len(applied.calls) == 2
-
-
-def test_tuner_promotes_with_hysteresis_and_falls_back_to_lru():
-    sink = EventSink()
-    clock = [0.0]
-    cfg = small_config(tuner_hold_s=10.0, tuner_margin=0.01, tuner_min_lookups=10)
-    c = WAController(cfg, 200, Applied(), sink, clock=lambda: clock[0])
-    wa = c.active
-    lru = c.candidates["lru"]
-    cur = c.candidates[wa]
-
-    def window(cand, t, hits):
-        cand.shadow.window.add(t, hits, 100)
-
-    # LRU leads by 5 points: not promoted before the hold time has passed.
-    window(lru, 0.0, 60)
-    window(cur, 0.0, 55)
-    c._tune(0.0)
-    assert c.active == wa
-    c._tune(5.0)
-    assert c.active == wa
-    c._tune(11.0)
-    assert c.active == "lru"
-    assert c.switches[-1]["to"] == "lru"
-    # A lead below the margin never promotes.
-    window(cur, 12.0, 5)  # cur: 60 / 200 = 0.30; lru: 60 / 100 = 0.6 -> lru stays
-    c._tune(30.0)
-    assert c.active == "lru"
 
 
 def test_pin_and_unpin():
@@ -282,7 +269,7 @@ def test_checkpoint_written_atomically_by_the_job(tmp_path):
                      clock=lambda: clock[0])
     clock[0] = feed(sink, 0.0)
     c.refit()
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
     assert not list(tmp_path.glob("*.tmp*"))
 
 
@@ -362,7 +349,7 @@ def test_fit_model_families():
 def test_shadow_caches_release_requests_whose_finish_was_lost():
     from vllm_wa.controller.shadow import ShadowCache
 
-    sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, window_s=60, max_classes=8)
+    sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, max_classes=8)
     for i in range(3):
         sc.lookup(f"r{i}", "t", [("h", i, j) for j in range(6)], float(i))
     assert sc.cache.pool.num_free_blocks == 1  # 19 usable, 18 pinned
@@ -370,3 +357,33 @@ def test_shadow_caches_release_requests_whose_finish_was_lost():
     assert sc.overflow == 1
     assert sc.expire(100.0, max_hold_s=50.0) == 3
     assert sc.cache.pool.num_free_blocks == 19
+
+
+def test_estimator_is_river_style_validates_and_its_example_runs():
+    import doctest
+
+    import vllm_wa.controller.estimators as mod
+
+    assert doctest.testmod(mod).failed == 0
+    est = ReuseEstimator()
+    for bad in (-1.0, float("nan"), float("inf"), "3", True):
+        with pytest.raises(ValueError):
+            est.update(bad)
+        with pytest.raises(ValueError):
+            est.censor(bad)
+    assert est.data.n == 0
+
+
+def test_model_fit_refits_only_when_the_data_moved():
+    from vllm_wa.controller.estimators import ModelFit
+
+    d = SurvivalData()
+    for g in (1.0, 2.0, 3.0, 50.0):
+        d.add_event(g, 10)
+    d.add_censored(500.0, 20)
+    fit = ModelFit("hyperexponential")
+    first = fit.get(d)
+    d.decay(0.5)  # forgetting: same shape, same fit, no work
+    assert fit.get(d) is first
+    d.add_event(200.0, 30)
+    assert fit.get(d) is not first

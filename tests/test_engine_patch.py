@@ -10,9 +10,9 @@ import pytest
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.request import RequestStatus
 
-from conftest import finish, make_manager, make_request, run_prefill
 from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.install import (
     get_wa_handle,
     install_wa_queue,
@@ -21,6 +21,8 @@ from vllm_wa.engine_patch.install import (
 )
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
 from vllm_wa.workload_classes import ClassRegistry
+
+from conftest import finish, make_manager, make_request, run_prefill
 
 BS = 16
 
@@ -212,7 +214,7 @@ def test_class_cap_sends_new_tags_to_other(clock):
         run_prefill(m, r)
         finish(m, r)
     assert set(h.queue.free_blocks_by_class()) == {"t0", "t1", "other"}
-    assert reg.counters.overflow >= 2
+    assert h.tagger.tag_counters.over_cap == 2
     assert len(reg) == 5
 
 
@@ -332,7 +334,7 @@ def test_set_params_rejects_bad_values_and_keeps_old(clock):
 def test_events_for_hit_eviction_and_finish(clock):
     m = make_manager(10)
     sink = EventSink(capacity=1000)
-    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink, conversations=ConversationTracker())
     r1 = make_request("r1", tokens(0, 3, 1), tag="text_1")
     run_prefill(m, r1)
     clock.advance(1.0)
@@ -346,17 +348,22 @@ def test_events_for_hit_eviction_and_finish(clock):
     run_prefill(m, big)
     events = sink.drain()
     kinds = [e.kind for e in events]
-    assert kinds[0] == EventKind.LOOKUP and events[0].request_id == "r1" and events[0].queried_blocks == 3
+    assert kinds[0] == EventKind.LOOKUP and events[0].request_id == "r1" and len(events[0].hashes) == 3
     fin = [e for e in events if e.kind == EventKind.FINISHED]
-    assert [(e.request_id, e.outcome) for e in fin] == [("r1", "stop"), ("r2", "stop")]
-    reused = [e for e in events if e.kind == EventKind.REUSED]
-    assert len(reused) == 2 and all(abs(e.idle - 2.5) < 1e-6 for e in reused)
-    assert {e.cls for e in reused} == {h.registry.id_of("text_1")}
+    assert [(e.request_id, e.request.outcome) for e in fin] == [("r1", "stop"), ("r2", "stop")]
+    # r2's prefix hit took two free blocks of r1's class off the free list.
+    assert h.queue.counters.reused[h.registry.id_of("text_1")] == 2
+    # r2 continues r1 (its prompt holds r1's last full block): turn 2, after 2.5 s.
+    r2_timing = fin[1].request.timing
+    assert r2_timing.turn == 2 and r2_timing.think_s == pytest.approx(2.5)
+    assert r2_timing.conversation == fin[0].request.timing.conversation
+    turns = [e for e in events if e.kind == EventKind.TURN]
+    assert len(turns) == 1 and turns[0].request.request_id == "r1" and turns[0].delay == pytest.approx(2.5)
     evicted = [e for e in events if e.kind == EventKind.EVICTED]
     assert len(evicted) == 3  # the cached blocks of r1/r2 (partial ones carry no hash)
-    assert all(e.block_hash is not None and e.idle >= 1.0 for e in evicted)
+    assert all(e.block_hash is not None for e in evicted)
     lookup_big = [e for e in events if e.kind == EventKind.LOOKUP and e.request_id == "big"][0]
-    assert lookup_big.hit_blocks == 0 and len(lookup_big.hashes) == 8
+    assert len(lookup_big.hashes) == 8 and lookup_big.chain == ()
     assert sink.dropped == 0
 
 

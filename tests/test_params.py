@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams
-from vllm_wa.workload_classes import ClassRegistry, normalize_tag, TagCounters
+from vllm_wa.workload_classes import ClassRegistry, TagCounters, normalize_tag
 
 
 def test_pr_json_round_trip():
@@ -87,7 +87,7 @@ def scorers(draw):
     return ClassScorer(
         ReuseModel(tuple(ws), tuple(rs)),
         draw(st.sampled_from([1.0, 5.0, 120.0])),
-        draw(st.sampled_from(["pr", "posterior"])),
+        draw(st.sampled_from(["pr", "posterior", "density"])),
     )
 
 
@@ -119,6 +119,9 @@ def test_scores_match_closed_forms():
     want_pr = 0.6 * (math.exp(-0.1 * d) - math.exp(-0.1 * (d + 5)))
     assert math.exp(pr.log_score(d)) == pytest.approx(want_pr)
     assert math.exp(post.log_score(d)) == pytest.approx(want_pr / m.survival(d))
+    dens = ClassScorer(m, 5.0, "density")
+    occupancy = 0.4 * 5.0 + 0.6 * math.exp(-0.1 * d) * (1 - math.exp(-0.5)) / 0.1  # integral of S over (d, d+5]
+    assert math.exp(dens.log_score(d)) == pytest.approx(want_pr / occupancy)
     never = ClassScorer(ReuseModel.exponential(0.0, 1.0), 5.0, "pr")
     assert never.log_score(0.0) == -math.inf
 
@@ -133,6 +136,6 @@ def test_tags_and_registry_cap():
     reg = ClassRegistry(max_classes=4)
     assert reg.id_of("a") == 3
     assert reg.id_of("b") == reg.id_of("other")
-    assert reg.counters.overflow == 1 and len(reg) == 4
+    assert reg.claim("b") is None and reg.find("b") is None and len(reg) == 4
     with pytest.raises(ValueError):
         ClassRegistry(max_classes=2)

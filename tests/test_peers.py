@@ -281,12 +281,15 @@ def test_knob_values_are_checked(name):
 import io
 import json
 
+from vllm_wa.bench.results import RequestRecord
+from vllm_wa.bench.results import RunResult as ServedRun
 from vllm_wa.cli import main as cli_main
 from vllm_wa.cli import sample_path
 from vllm_wa.replay.knobs import choose_settings, profile_setup
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.progress import ProgressBoard, RunReporter
-from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes, sweep
+from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep
+from vllm_wa.replay.served import replay_config
 
 MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
 
@@ -359,3 +362,47 @@ def test_cli_rejects_bad_peer_settings(spec, msg, capsys):
     with pytest.raises(SystemExit, match=msg):
         policies = "lru,tlru,ttl-tool,arc" + (",slru" if spec == "slru=2.5" else "")
         cli_main(["replay", MOONCAKE, "--policies", policies, "--peer-settings", spec, "--no-cache"])
+
+
+# ---- a served trace through vLLM's manager ---------------------------------------------------------
+
+
+def served_result(path, n_conv=6, turns=5, bs=16):
+    """A bench-serve result: conversations whose prompts grow by a partly filled block each turn."""
+    res = ServedRun(label="x", url="u", trace="t", block_size=bs, time_scale=1.0, max_output_tokens=40)
+    i = 0
+    for c in range(n_conv):
+        ids: list[int] = []
+        for k in range(turns):
+            ids = ids + [1000 * (c + 1) + len(ids), 1000 * (c + 1) + len(ids) + 1]
+            t = c * 0.3 + k * 2.0
+            res.requests.append(RequestRecord(
+                index=i, request_id=f"c{c}t{k}", conversation=c, tag="tool",
+                outcome_hint="tool" if k % 2 == 0 else None, hash_ids=list(ids), input_tokens=len(ids) * bs - 5,
+                max_tokens=40, planned=t, sent=t, first_token=t + 0.05, done=t + 0.5,
+                prompt_tokens=len(ids) * bs - 5, completion_tokens=40, finish_reason="length",
+                server_ttft_ms=20.0, server_queue_ms=1.0, server_generation_ms=400.0))
+            i += 1
+    res.write(str(path))
+    return load_trace(str(path))
+
+
+def test_peers_on_a_served_trace_index_only_the_blocks_vllm_caches(tmp_path):
+    """Reply slots and partly filled blocks go through the peers too; no key outlives its block."""
+    trace = served_result(tmp_path / "served.json")
+    assert trace.conversations and trace.has_outcomes
+    cfg = replay_config(ReplayConfig(engine="vllm"))
+    setup = prepare(trace, ["lru", *PEERS], cfg)
+    ample = {p: sweep(setup, [p], [400], jobs=1)[0].hit_tokens for p in ("lru", *PEERS)}
+    assert ample["lru"] > 0 and set(ample.values()) == {ample["lru"]}  # nothing evicted: all equal
+    for name in PEERS:
+        policy = make_policy(name, setup)
+        r = run_one(setup.trace, policy, 30, cfg, setup.eval_start)
+        assert 0 < r.hit_tokens <= ample["lru"], name
+        q = policy.queue
+        for bid, key in enumerate(q.key_of):
+            if key is not None:
+                assert q.block[bid].block_hash is not None, (name, bid, key)
+        resident = getattr(q, "resident", None)
+        if resident is not None:
+            assert all(q.key_of[bid] == key for key, bid in resident.primary.items()), name

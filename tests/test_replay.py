@@ -16,7 +16,6 @@ from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
-from vllm_wa.sim.clock import SettableClock
 from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes, run_one, sweep, swap_tags
 from vllm_wa.sim.block_pool import SimBlockPool
 from vllm_wa.replay.trace import Trace, TraceRequest
@@ -126,7 +125,7 @@ def test_cut_applies_to_every_format(tmp_path, agentic):
 def test_agentic_loader_offsets_tags_outcomes(agentic):
     tr = agentic
     assert tr.fmt == "agentic" and tr.block_size == 64
-    assert set(r.tag for r in tr.requests) <= {"human", "tool", "other"}
+    assert set(r.tag for r in tr.requests) <= {"human", "tool", "misc"}
     assert {"tool", "stop"} <= {r.outcome for r in tr.requests}
     assert all(r.arrival < 7200 for r in tr.requests)
     # Most requests record their service time (api_time); the rest use the throughput model.

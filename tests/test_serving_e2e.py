@@ -52,7 +52,8 @@ def http(method: str, url: str, body: object = None, key: str | None = None, tim
 
 
 class Server:
-    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None) -> None:
+    def __init__(self, model: str, shim: str, log_dir: str, wa: bool, config: str | None = None,
+                 extra: tuple[str, ...] = (), name: str = "") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
@@ -60,16 +61,18 @@ class Server:
             vllm_bin, "serve", model, "--served-model-name", "tiny", "--port", str(self.port),
             "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "512", "--enforce-eager",
             "--num-gpu-blocks-override", "40", "--max-num-seqs", "4", "--api-key", API_KEY,
-            "--enable-prefix-caching",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-per-request-metrics",
         ]
         if wa:
-            cmd += ["--wa-online", "--wa-allow-pin"] + (["--wa-config", config] if config else [])
+            cmd += ["--wa-online", "--wa-allow-pin", "--wa-bench-outcome-hints"]
+            cmd += ["--wa-config", config] if config else []
+        cmd += list(extra)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([shim, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env["VLLM_WA_METRICS_INTERVAL"] = "1"
         env.pop("VLLM_WA_ONLINE", None)
-        self.log_path = os.path.join(log_dir, f"server-{'wa' if wa else 'plain'}.log")
+        self.log_path = os.path.join(log_dir, f"server-{name or ('wa' if wa else 'plain')}.log")
         self.log = open(self.log_path, "w")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=log_dir,
@@ -119,8 +122,9 @@ def workdir(tmp_path_factory):
     shim = write_vllm_dist_shim(str(d / "shim")) or str(d / "shim")
     cfg = d / "wa.toml"
     cfg.write_text(
-        "[controller]\nrefit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
-        "[tuner]\nmin_lookups = 20\nhold_s = 2\n"
+        "[controller]\nrefit_interval_s = 1.0\nfit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
+        "[tuner]\nmin_requests = 20\nmin_batches = 2\nbatch_s = 1.0\ndemote_window_s = 5.0\n"
+        "initial = \"tag+outcome/hyper/posterior/L10\"\n"
     )
     return {"dir": str(d), "model": model, "shim": shim, "config": str(cfg)}
 
@@ -128,6 +132,13 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wa_server(workdir):
     s = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=True, config=workdir["config"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(workdir, wa_server):
+    s = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=False)
     yield s
     s.stop()
 
@@ -157,16 +168,31 @@ def send_conversations(url: str, n_rounds: int = 6) -> int:
     return served
 
 
-def wa_state(url: str) -> dict:
-    code, body = http("GET", url + "/wa/params")
+def wa_states(url: str) -> list[dict]:
+    code, body = http("GET", url + "/wa/params", key=API_KEY)
     assert code == 200, body
-    engines = json.loads(body)["engines"]
+    return json.loads(body)["engines"]
+
+
+def wa_state(url: str) -> dict:
+    engines = wa_states(url)
     assert len(engines) == 1
     return engines[0]
 
 
+def wait_for_state(url: str, ok, timeout: float = 10.0) -> dict:
+    """The state once ``ok(state)`` holds (GET serves a copy up to one poll interval old)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = wa_state(url)
+        if ok(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.25)
+
+
 def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
     url = wa_server.url
+    assert http("GET", url + "/wa/params")[0] == 401  # it lists every client's tags: the API key guards it
     first = wa_state(url)
     assert first["enabled"] and first["mode"] == "auto"
     pid0 = first["pid"]
@@ -216,9 +242,8 @@ def test_bad_tag_is_served_and_counted(wa_server):
             model="tiny", prompt=text(9, 30), max_tokens=1, extra_body={"vllm_xargs": {"type_info": bad}}
         )
         assert out.choices
-    time.sleep(0.5)
-    st = wa_state(wa_server.url)
-    assert st["tags_invalid"] >= before + 3
+    st = wait_for_state(wa_server.url, lambda s: s["tags_invalid"] >= before + 3)
+    assert st["tags_invalid"] == before + 3  # once per request
     assert "invalid" in " ".join(st["classes"]) or st["tags_invalid"] > 0
 
 
@@ -310,17 +335,156 @@ def test_grafana_dashboard_queries_return_series(wa_server, workdir):
         log.close()
 
 
-def test_without_flag_nothing_changes(workdir, wa_server):
-    plain = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=False)
+def test_generated_tags_and_put_bodies_over_http(wa_server):
+    """The fuzz test's inputs, a smaller batch, against the live server (see test_fuzz_serving.py)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from serving_harness import auth_header, bearer_tokens, pin_bodies, tag_values
+
+    url = wa_server.url
+    seen: dict[str, dict[int, int]] = {"tags": {}, "bodies": {}}
+
+    @settings(max_examples=5, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(tags=st.lists(tag_values, min_size=20, max_size=20),
+           bodies=st.lists(st.tuples(pin_bodies(), bearer_tokens), min_size=20, max_size=20))
+    def batch(tags, bodies):
+        for i, tag in enumerate(tags):
+            body = {"model": "tiny", "prompt": text(i, 20), "max_tokens": 1, "vllm_xargs": {"type_info": tag}}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", **auth_header(API_KEY)})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            seen["tags"][code] = seen["tags"].get(code, 0) + 1
+            assert code in (200, 400), (tag, code)
+        for raw, token in bodies:
+            req = urllib.request.Request(url + "/wa/params", data=raw, method="PUT",
+                                         headers={"Content-Type": "application/json", **auth_header(token)})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            seen["bodies"][code] = seen["bodies"].get(code, 0) + 1
+            assert code in (200, 400, 401, 413, 422), (raw[:200], code)
+
+    batch()
+    assert sum(seen["tags"].values()) >= 100 and sum(seen["bodies"].values()) >= 100, seen
+    assert http("PUT", url + "/wa/params", {"mode": "auto"}, key=API_KEY)[0] == 200
+    st_ = wait_for_state(url, lambda s: s["mode"] == "auto")
+    assert st_["hook_errors"] == 0 and st_["errors"] == 0 and wa_server.proc.poll() is None
+    code, metrics = http("GET", url + "/metrics")
+    assert code == 200
+    classes = {line.split('class="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
+               if line.startswith("vllm_wa_freed_blocks_total{")}
+    assert 0 < len(classes) <= 64
+
+
+def test_without_flag_nothing_changes(plain_server):
+    plain = plain_server
+    code, _ = http("GET", plain.url + "/wa/params")
+    assert code == 404
+    send_conversations(plain.url, n_rounds=1)
+    code, metrics = http("GET", plain.url + "/metrics")
+    assert code == 200 and "vllm:prefix_cache_queries" in metrics
+    assert "vllm_wa_" not in metrics
+    if TIMING_FILE:
+        with open(TIMING_FILE, "a") as f:
+            f.write(json.dumps({"server": "plain", "startup_s": plain.startup_s}) + "\n")
+
+
+def test_bench_serve_agrees_with_both_servers_counters(plain_server, wa_server, tmp_path):
+    """A shortened ``vllm-wa bench-serve`` run (16 real agentic conversations, prompts cut to
+    8 blocks, 600 trace seconds at 1/60 speed) against the plain and the --wa-online server.
+
+    Each server's prefix-cache hit counter grows by exactly the cached tokens the client
+    was told, nothing is preempted (4 requests of at most 9 blocks fit the 40-block
+    cache), both servers get the same requests, none fails, the --wa-online server
+    applies the outcome hints, and the replay of the plain server's requests predicts
+    its hit rate.
+    """
+    import asyncio
+
+    from vllm_wa.bench import report
+    from vllm_wa.bench.client import BenchClient, ClientConfig
+    from vllm_wa.bench.slicing import SliceSpec, slice_trace
+    from vllm_wa.bench.suite import predict
+    from vllm_wa.replay.loaders import AgenticOptions, load_trace
+
+    sample = os.path.join(ROOT, "vllm_wa", "data", "agentic-coding-sample.tar.xz")
+    full = load_trace(sample, agentic=AgenticOptions(max_conversations=16, window=600, seed=0))
+    trace = slice_trace(full, SliceSpec(block_size=32, max_prompt_blocks=8, duration=600))
+    hints_before = wa_state(wa_server.url)["outcomes_reclassified"]
+    results = {}
+    for name, srv in (("lru", plain_server), ("wa-online", wa_server)):
+        cfg = ClientConfig(url=srv.url, api_key=API_KEY, time_scale=1 / 60, max_output_tokens=8, label=name,
+                           progress=False)
+        res = asyncio.run(BenchClient(cfg, trace).run())
+        s = report.summarize(res)
+        assert s["failed"] == 0 and s["completed"] == len(trace.requests), s["errors"]
+        assert s["cached_tokens_reported"] == s["completed"]
+        assert s["cached_tokens"] == s["server"]["prefix_cache_hits"]
+        assert s["prompt_tokens"] == s["server"]["prefix_cache_queries"]
+        assert s["server"]["preemptions"] == 0
+        assert s["ttft_ms"]["n"] == s["qttft_ms"]["n"] == s["completed"]
+        results[name] = res
+    sent = {
+        name: [(r.index, r.hash_ids, r.input_tokens, r.max_tokens, r.tag, r.outcome_hint) for r in res.requests]
+        for name, res in results.items()
+    }
+    assert sent["lru"] == sent["wa-online"]
+    hinted = sum(r.outcome_hint is not None for r in results["wa-online"].requests)
+    assert hinted > 0
+    time.sleep(0.5)
+    assert wa_state(wa_server.url)["outcomes_reclassified"] - hints_before == hinted
+    path = str(tmp_path / "lru.json")
+    results["lru"].write(path)
+    measured = report.summarize(results["lru"])["token_hit_rate"]
+    predicted = predict(path, ["lru"], 40, None)["lru"]
+    assert abs(predicted - measured) <= 0.02, (predicted, measured)
+    if TIMING_FILE:
+        with open(TIMING_FILE, "a") as f:
+            f.write(json.dumps({"bench_serve": {"measured": measured, "predicted": predicted}}) + "\n")
+
+
+def test_data_parallel_engines_each_report_and_take_a_pin(workdir, wa_server, plain_server):
+    """``--data-parallel-size 2`` on CPU: two engine cores behind two API servers (vLLM then
+    serves /metrics from a multiprocess registry); every API server reaches both engines."""
+    wa_server.stop()  # more servers at once would not fit this machine's cores
+    plain_server.stop()
+    dp = Server(workdir["model"], workdir["shim"], workdir["dir"], wa=True, config=workdir["config"],
+                extra=("--data-parallel-size", "2"), name="dp")
     try:
-        code, _ = http("GET", plain.url + "/wa/params")
-        assert code == 404
-        send_conversations(plain.url, n_rounds=1)
-        code, metrics = http("GET", plain.url + "/metrics")
-        assert code == 200 and "vllm:prefix_cache_queries" in metrics
-        assert "vllm_wa_" not in metrics
+        url = dp.url
+        engines = wa_states(url)
+        assert sorted(e["engine"] for e in engines) == [0, 1]
+        assert all(e["enabled"] for e in engines) and len({e["pid"] for e in engines}) == 2
+        assert send_conversations(url, n_rounds=2) > 0
+        for _ in range(4):  # /metrics from either API server shows both engines, as counters
+            code, metrics = http("GET", url + "/metrics")
+            assert code == 200
+            assert "# TYPE vllm_wa_refits_total counter" in metrics
+            for eng in ("0", "1"):
+                assert f'vllm_wa_refits_total{{engine="{eng}"}}' in metrics
+                assert f'vllm_wa_params_version{{engine="{eng}"}}' in metrics
+        pin = {"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}, "features": ["tag"]}
+        code, body = http("PUT", url + "/wa/params", pin, key=API_KEY)
+        assert code == 200, body
+        assert sorted(r["engine"] for r in json.loads(body)["engines"]) == [0, 1]
+        deadline = time.monotonic() + 10
+        while True:
+            engines = wa_states(url)  # whichever API server answers
+            if all(e["mode"] == "pinned" for e in engines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert [e["params"]["a"] for e in engines] == [{"agent_1": pytest.approx(0.2)}] * 2
+        assert http("PUT", url + "/wa/params", {"mode": "auto"}, key=API_KEY)[0] == 200
         if TIMING_FILE:
             with open(TIMING_FILE, "a") as f:
-                f.write(json.dumps({"server": "plain", "startup_s": plain.startup_s}) + "\n")
+                f.write(json.dumps({"server": "wa-online-dp2", "startup_s": dp.startup_s}) + "\n")
     finally:
-        plain.stop()
+        dp.stop()

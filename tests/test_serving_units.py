@@ -9,15 +9,16 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import finish, make_manager, make_request, run_prefill
 from vllm.v1.request import RequestStatus
 
-from conftest import finish, make_manager, make_request, run_prefill
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
-from vllm_wa.serving.engine_side import EngineWA, external_request_id, parse_pin_request
+from vllm_wa.serving.engine_side import EngineWA, external_request_id
+from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving.settings import ServingSettings
 
 
@@ -83,7 +84,7 @@ def test_outcome_reports_reclassify_engine_blocks():
     m = make_manager(20)
     handles = []
 
-    def install(sink, registry, key):
+    def install(sink, registry, key, conversations):
         h = install_wa_queue(m.block_pool, None, sink=sink, registry=registry, class_key=FeatureKey(("tag", "outcome")))
         h.tagger.request_key = external_request_id
         handles.append(h)
@@ -105,7 +106,8 @@ def test_outcome_reports_reclassify_engine_blocks():
     state = engine_side.wa_get_state(core)
     assert state["enabled"] and state["outcomes_reclassified"] == 1
     metrics = engine_side.wa_get_metrics(core)
-    assert metrics["classes"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
+    assert metrics["tags"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
+    assert set(metrics["classes"]) == {"agent.o:stop", "agent.o:tool"}  # a tag takes no class slot
     assert metrics["classes"]["agent.o:tool"]["freed"] == 3
     json.dumps(state), json.dumps(metrics)  # plain data for the utility channel
 
@@ -139,7 +141,9 @@ def test_plugin_without_flag_patches_no_engine_code():
         "from vllm.v1.engine.core import EngineCore;"
         "import vllm.entrypoints.launchers.app as app;"
         "assert not hasattr(Scheduler.__init__, '__vllm_wa_wrapped__');"
-        "assert not hasattr(EngineCore, 'wa_get_state');"
+        "assert not hasattr(EngineCore, 'wa_get_snapshot');"
+        "import vllm.entrypoints.serve.instrumentator.metrics as m;"
+        "assert not hasattr(m.get_prometheus_registry, '__vllm_wa_wrapped__');"
         "assert not hasattr(app.attach_endpoint_plugins, '__vllm_wa_wrapped__');"
         "print('clean')"
     )
@@ -187,3 +191,39 @@ def test_enable_online_keeps_the_operators_metrics_interval(monkeypatch):
     assert settings.metrics_interval_s == 1.5 and settings.allow_pin
     assert installed == [settings]
     assert ServingSettings.from_env() == settings
+
+
+def test_bad_seed_params_in_the_config_refuse_to_start(tmp_path):
+    from vllm_wa.serving import plugin
+
+    bad = tmp_path / "seed.json"
+    bad.write_text('{"a": {"x": 1}, "p": {"x": 9}}')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[controller]\nseed_params = "{bad}"\n')
+    with pytest.raises(SystemExit, match="seed.json"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(cfg), wa_params=None))
+    cfg.write_text(f'[controller]\nseed_params = "{tmp_path / "missing.json"}"\n')
+    with pytest.raises(SystemExit, match="missing.json"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(cfg), wa_params=None))
+
+
+def test_refit_fault_hook_is_off_by_default_and_counted_when_on(monkeypatch):
+    from vllm_wa.controller.controller import WAController
+    from vllm_wa.engine_patch.events import EventSink
+    from vllm_wa.serving import faults
+
+    def controller():
+        return WAController(ControllerConfig(), 100, lambda p, k: None, EventSink())
+
+    c = controller()
+    monkeypatch.delenv(faults.ENV_FAULT_REFIT_EVERY, raising=False)
+    faults.install_from_env(c)
+    for _ in range(4):
+        c.refit()
+    assert c.errors == 0 and c.refits == 4
+    monkeypatch.setenv(faults.ENV_FAULT_REFIT_EVERY, "2")
+    c = controller()
+    faults.install_from_env(c)
+    for _ in range(4):
+        c.refit()
+    assert c.errors == 2 and c.refits == 2 and "InjectedFault" in c.last_error

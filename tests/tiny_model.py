@@ -1,49 +1,5 @@
 """A tiny random-weight Llama and a locally trained tokenizer (nothing is downloaded)."""
 
-from __future__ import annotations
+from vllm_wa.bench.tiny_model import build_tiny_model
 
-import os
-
-
-def build_tiny_model(out: str) -> str:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    os.makedirs(out, exist_ok=True)
-    corpus = [
-        "the quick brown fox jumps over the lazy dog " * 4,
-        "user assistant system tool call function arguments result " * 4,
-        "def main return print import class self value list dict " * 4,
-    ]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    fast.save_pretrained(out)
-    cfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=2,  # head_dim 64: CPU attention needs >= 32
-        num_key_value_heads=1,
-        num_hidden_layers=2,
-        vocab_size=512,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+__all__ = ["build_tiny_model"]

@@ -1,4 +1,4 @@
-"""``vllm-wa``: replay traces, profile parameters, synthesize traces, run the demo."""
+"""``vllm-wa``: replay traces, profile parameters, synthesize traces, benchmark a server, run the demo."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import sys
 import time
 from importlib import resources
 
+from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.knobs import add_hindsight, choose_settings
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
 from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep
+from vllm_wa.replay.served import replay_config
 from vllm_wa.replay.trace_cache import load_trace_cached
 
 
@@ -108,7 +110,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             + f", loaded in {time.perf_counter() - t0:.1f}s"
         )
         timing[trace.name] = {"load_s": time.perf_counter() - t0}
-        setup = prepare(trace, policies, cfg)
+        if trace.fmt == "served":
+            # What a benchmark server saw: measured from its first request, with its own service times.
+            setup = prepare(trace, policies, replay_config(cfg))
+        else:
+            setup = prepare(trace, policies, cfg)
         unique[trace.name] = setup.trace.unique_blocks(since=setup.eval_start)
         sizes = resolve_sizes(args.cache_blocks, setup.trace, setup.eval_start)
         _progress(
@@ -128,6 +134,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         t_phase = time.perf_counter()
         tuned = choose_settings(setup, to_tune, sizes, jobs=args.jobs, on_result=on_tuning, board=_BOARD)
         choices[trace.name] = tuned
+        if setup.cfg.profile_fraction <= 0 and any(p in PEERS and PEERS[p].knob is not None for p in to_tune):
+            _progress(f"[{path}] no profile half to tune on: peers' knobs at their defaults (see --peer-settings)")
         for p, c in tuned.items():
             _progress(f"  {p}: {c.knob}={c.chosen:g}{c.unit} chosen on the profile half at {c.cache_blocks} blocks")
         if tuned:
@@ -300,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float)
     p.add_argument("--seed", type=int)
     p.set_defaults(fn=cmd_synth)
+
+    add_bench_serve(sub)
 
     p = sub.add_parser("demo", help="replay the bundled real sample and plot it")
     p.add_argument("--out-dir", default="out")

@@ -12,8 +12,12 @@ The queue ranks a free block that has been idle for ``D`` seconds by
                  probability that the block is reused in the next ``L`` s;
 * ``posterior``: ``(S(D) - S(D + L)) / S(D)``, the same probability given that
                  the block has not been reused for ``D`` seconds,
+* ``density``:   ``(S(D) - S(D + L)) / integral_0^L S(D + t) dt``, the hit
+                 density of LHD (Beckmann et al., NSDI '18): the chance of a
+                 reuse within ``L`` per second of cache space the block holds
+                 until then,
 
-where ``S`` is the survival function of the reuse delay.  Both are
+where ``S`` is the survival function of the reuse delay.  All three are
 non-increasing in ``D`` for any mixture of exponentials, so within one class an
 older block never outranks a newer one and the queue may keep one FIFO list per
 class and compare only the list heads.
@@ -28,7 +32,12 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-SCORE_MODES = ("pr", "posterior")
+from vllm_wa.validation import check_number
+from vllm_wa.workload_classes import MAX_CLASS_NAME_LENGTH, is_valid_class_name
+
+SCORE_MODES = ("pr", "posterior", "density")
+# Keys of the PR JSON format, with this project's extensions (see to_pr_json).
+_PR_JSON_KEYS = frozenset({"a", "p", "L", "mode", "mixture", "default", "version"})
 DEFAULT_HORIZON_S = 5.0
 _NEG_INF = float("-inf")
 # Upper bound of the idle-time search when inverting a score (about 30 years).
@@ -39,15 +48,9 @@ class ParamsError(ValueError):
     """Raised for parameters that must not reach the queue."""
 
 
-def _check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ParamsError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ParamsError(f"{name} must be finite, got {value!r}")
-    if value < lo or value > hi:
-        raise ParamsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
-    return value
+def _check_number(name: str, value: Any, *, hi: float = math.inf) -> float:
+    """A finite number in ``[0, hi]``, or ``ParamsError`` naming it."""
+    return check_number(name, value, ge=0.0, le=hi, error=ParamsError)
 
 
 def _logsumexp(terms: list[float]) -> float:
@@ -121,21 +124,29 @@ class ClassScorer:
     _window_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
     # log(w_k), a_k for the survival function (never-reused mass has rate 0).
     _survival_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+    # log(w_k * (1 - exp(-a_k * L)) / a_k), a_k: the expected occupancy within L.
+    _occupancy_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         window: list[tuple[float, float]] = []
         survival: list[tuple[float, float]] = []
+        occupancy: list[tuple[float, float]] = []
         for w, r in zip(self.model.weights, self.model.rates):
             if w > 0.0:
                 survival.append((math.log(w), r))
                 mass = -math.expm1(-r * self.horizon)
                 if mass > 0.0:
                     window.append((math.log(w) + math.log(mass), r))
+                    occupancy.append((math.log(w) + math.log(mass / r), r))
+                elif r == 0.0:
+                    occupancy.append((math.log(w) + math.log(self.horizon), 0.0))
         never = 1.0 - self.model.p
         if never > 0.0:
             survival.append((math.log(never), 0.0))
+            occupancy.append((math.log(never) + math.log(self.horizon), 0.0))
         object.__setattr__(self, "_window_terms", tuple(window))
         object.__setattr__(self, "_survival_terms", tuple(survival))
+        object.__setattr__(self, "_occupancy_terms", tuple(occupancy))
 
     def log_score(self, idle_s: float) -> float:
         terms = self._window_terms
@@ -148,7 +159,7 @@ class ClassScorer:
             log_window = _logsumexp([c - r * idle_s for c, r in terms])
         if self.mode == "pr":
             return log_window
-        surv = self._survival_terms
+        surv = self._survival_terms if self.mode == "posterior" else self._occupancy_terms
         if len(surv) == 1:
             c, r = surv[0]
             return log_window - (c - r * idle_s)
@@ -205,6 +216,8 @@ class WAParams:
     mode: str = "pr"
     version: int = 0
     source: str = "prior"
+    # Scorers by class name, built once by :meth:`compile` (or on first use).
+    _scorers: dict[str, ClassScorer] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.models, Mapping):
@@ -239,7 +252,21 @@ class WAParams:
         return self.models.get(class_name, self.default)
 
     def scorer_for(self, class_name: str) -> ClassScorer:
-        return ClassScorer(self.model_for(class_name), self.horizon, self.mode)
+        """The compiled scorer of a class (the default's for unnamed classes)."""
+        s = self._scorers.get(class_name)
+        if s is None:
+            s = self._scorers.get("") if class_name not in self.models else None
+            if s is None:
+                s = ClassScorer(self.model_for(class_name), self.horizon, self.mode)
+                self._scorers["" if class_name not in self.models else class_name] = s
+        return s
+
+    def compile(self) -> WAParams:
+        """Build every class's scorer now (the controller does it off the engine thread)."""
+        self.scorer_for("")
+        for name in self.models:
+            self.scorer_for(name)
+        return self
 
     def evolve(self, **changes: Any) -> WAParams:
         """A copy with some fields replaced (validated like a new object)."""
@@ -261,6 +288,9 @@ class WAParams:
                 raise ParamsError(f"params JSON does not parse: {e}") from e
         if not isinstance(data, Mapping):
             raise ParamsError("params JSON must be an object with keys 'a' and 'p'")
+        unknown = set(data) - _PR_JSON_KEYS
+        if unknown:
+            raise ParamsError(f"unknown key(s) {sorted(map(str, unknown))[:5]}; expected some of {sorted(_PR_JSON_KEYS)}")
         rates, probs = data.get("a"), data.get("p")
         if not isinstance(rates, Mapping) or not isinstance(probs, Mapping):
             raise ParamsError("params JSON needs objects 'a' (class -> rate) and 'p' (class -> prob)")
@@ -270,8 +300,16 @@ class WAParams:
         mixtures = data.get("mixture") or {}
         if not isinstance(mixtures, Mapping):
             raise ParamsError("'mixture' must be an object of class -> [[w, a], ...]")
+        stray = set(mixtures) - set(rates)
+        if stray:
+            raise ParamsError(f"'mixture' names classes {sorted(stray)[:5]} that 'a' and 'p' do not")
         models: dict[str, ReuseModel] = {}
         for name in rates:
+            if not is_valid_class_name(name):
+                raise ParamsError(
+                    f"class name {str(name)[:80]!r} is not a valid class name "
+                    f"(1-{MAX_CLASS_NAME_LENGTH} characters of A-Z a-z 0-9 _ . : -)"
+                )
             try:
                 if name in mixtures:
                     models[name] = _model_from_json(mixtures[name])
@@ -335,6 +373,31 @@ def _model_from_json(obj: Any) -> ReuseModel:
         tuple(_check_number("w", w, hi=1.0) for w, _ in pairs),
         tuple(_check_number("a", a) for _, a in pairs),
     )
+
+
+def _relative_change(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def models_differ(a: ReuseModel, b: ReuseModel, tolerance: float) -> bool:
+    """Whether two reuse models differ by more than ``tolerance`` (relative) in any parameter."""
+    if len(a.weights) != len(b.weights):
+        return True
+    pairs = zip(a.weights + a.rates, b.weights + b.rates)
+    return any(_relative_change(x, y) > tolerance for x, y in pairs)
+
+
+def params_changed(old: WAParams, new: WAParams, tolerance: float) -> bool:
+    """Whether swapping ``new`` in for ``old`` changes how the queue ranks blocks.
+
+    A different score mode or horizon, a different set of classes, or any
+    model parameter that moved by more than ``tolerance`` (relative).
+    """
+    if old.mode != new.mode or _relative_change(old.horizon, new.horizon) > tolerance:
+        return True
+    if set(old.models) != set(new.models) or models_differ(old.default, new.default, tolerance):
+        return True
+    return any(models_differ(m, new.models[c], tolerance) for c, m in old.models.items())
 
 
 def pooled_model(models: Any) -> ReuseModel:

@@ -6,20 +6,20 @@ bad value is an error that names the key.
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from vllm_wa.controller.features import FEATURES
+from vllm_wa.controller.tuner import TunerSettings
+from vllm_wa.fileio import TOMLDecodeError, read_toml
+from vllm_wa.params import SCORE_MODES
+from vllm_wa.validation import check_number
+from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES
 
 FAMILIES = ("exponential", "hyperexponential")
-MODES = ("pr", "posterior")
+# What the miniature caches see: hash-sampled blocks of every prompt, or the
+# whole chains of hash-sampled conversations.
+SHADOW_SAMPLING = ("block", "chain")
 
 
 class ConfigError(ValueError):
@@ -64,46 +64,58 @@ class ControllerConfig:
     """See ``configs/controller.toml`` for what each knob does."""
 
     refit_interval_s: float = 5.0
+    fit_interval_s: float = 30.0
     memory_s: float = 1800.0
     min_samples: float = 30.0
     sample_rate: float | None = None
     shadow_blocks: int = 4096
+    shadow_sampling: str = "block"
     ghost_factor: float = 4.0
     max_watch_s: float = 7200.0
     drift_delta: float = 0.002
     drift_forget: float = 0.25
     event_capacity: int = 1 << 17
-    max_classes: int = 32
+    max_classes: int = DEFAULT_MAX_CLASSES
+    class_retire_s: float = 1800.0
     checkpoint_path: str = ""
     checkpoint_interval_s: float = 60.0
     seed_params: str = ""
+    swap_tolerance: float = 0.01
     tuner_enabled: bool = True
     tuner_window_s: float = 900.0
+    tuner_demote_window_s: float = 300.0
+    tuner_batch_s: float = 30.0
     tuner_margin: float = 0.003
-    tuner_hold_s: float = 120.0
-    tuner_min_lookups: int = 200
-    initial: str = "tag+outcome/hyper/posterior/L10"
+    tuner_min_requests: int = 200
+    tuner_min_batches: int = 6
+    tuner_confidence: float = 0.95
+    tuner_demote_confidence: float = 0.95
+    initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
 
     def __post_init__(self) -> None:
         positive = (
-            "refit_interval_s", "memory_s", "shadow_blocks", "ghost_factor", "max_watch_s",
-            "drift_delta", "event_capacity", "checkpoint_interval_s", "tuner_window_s", "max_classes",
+            "refit_interval_s", "fit_interval_s", "memory_s", "ghost_factor", "max_watch_s",
+            "drift_delta", "checkpoint_interval_s", "tuner_window_s", "class_retire_s",
+            "tuner_demote_window_s", "tuner_batch_s",
         )
         for name in positive:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {v!r}")
-        for name in ("min_samples", "tuner_margin", "tuner_hold_s", "tuner_min_lookups"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
-        if not 0.0 < self.drift_forget <= 1.0:
-            raise ConfigError(f"drift_forget must be in (0, 1], got {self.drift_forget!r}")
-        if self.sample_rate is not None and not 0.0 < self.sample_rate <= 1.0:
-            raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
-        if self.max_classes < 3:
-            raise ConfigError("max_classes must be at least 3")
+            check_number(name, getattr(self, name), gt=0, error=ConfigError)
+        for name in ("shadow_blocks", "event_capacity", "tuner_min_batches"):
+            check_number(name, getattr(self, name), gt=0, integer=True, error=ConfigError)
+        for name in ("min_samples", "tuner_margin", "swap_tolerance"):
+            check_number(name, getattr(self, name), ge=0, error=ConfigError)
+        check_number("tuner_min_requests", self.tuner_min_requests, ge=0, integer=True, error=ConfigError)
+        for name in ("tuner_confidence", "tuner_demote_confidence"):
+            check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
+        if self.tuner_batch_s * 2 > self.tuner_demote_window_s:
+            raise ConfigError("tuner_demote_window_s must hold at least two batches (2 x tuner_batch_s)")
+        check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
+        if self.sample_rate is not None:
+            check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
+        check_number("max_classes", self.max_classes, ge=3, integer=True, error=ConfigError)
+        if self.shadow_sampling not in SHADOW_SAMPLING:
+            raise ConfigError(f"shadow_sampling must be one of {SHADOW_SAMPLING}, got {self.shadow_sampling!r}")
         for i, c in enumerate(self.candidates):
             where = f"candidates[{i}]"
             if not isinstance(c, CandidateSpec):
@@ -113,15 +125,27 @@ class ControllerConfig:
                 raise ConfigError(f"{where}.features has unknown features {bad}; expected some of {FEATURES}")
             if c.family not in FAMILIES:
                 raise ConfigError(f"{where}.family must be one of {FAMILIES}, got {c.family!r}")
-            if c.mode not in MODES:
-                raise ConfigError(f"{where}.mode must be one of {MODES}, got {c.mode!r}")
-            if not (isinstance(c.horizon, (int, float)) and math.isfinite(c.horizon) and c.horizon > 0):
-                raise ConfigError(f"{where}.horizon must be a positive number of seconds, got {c.horizon!r}")
+            if c.mode not in SCORE_MODES:
+                raise ConfigError(f"{where}.mode must be one of {SCORE_MODES}, got {c.mode!r}")
+            check_number(f"{where}.horizon", c.horizon, gt=0, error=ConfigError)
         names = [c.name for c in self.all_candidates]
         if len(set(names)) != len(names):
             raise ConfigError(f"candidates must differ; got duplicates in {names}")
         if self.initial not in names:
             raise ConfigError(f"initial must name a candidate ({names}), got {self.initial!r}")
+
+    @property
+    def tuner_settings(self) -> TunerSettings:
+        return TunerSettings(
+            margin=self.tuner_margin,
+            window_s=self.tuner_window_s,
+            demote_window_s=self.tuner_demote_window_s,
+            batch_s=self.tuner_batch_s,
+            min_requests=self.tuner_min_requests,
+            min_batches=self.tuner_min_batches,
+            confidence=self.tuner_confidence,
+            demote_confidence=self.tuner_demote_confidence,
+        )
 
     @property
     def all_candidates(self) -> tuple[CandidateSpec, ...]:
@@ -185,11 +209,10 @@ class ControllerConfig:
     @classmethod
     def load(cls, path: str) -> ControllerConfig:
         try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
+            data = read_toml(path)
         except OSError as e:
             raise ConfigError(f"cannot read controller config {path}: {e}") from e
-        except tomllib.TOMLDecodeError as e:
+        except TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
         try:
             return cls.from_dict(data)

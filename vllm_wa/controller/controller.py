@@ -5,9 +5,14 @@ events into censored reuse observations per finest class and feeds the
 candidates' miniature caches; then, for every candidate, it fits one model
 per class of that candidate's key, builds an immutable :class:`WAParams`,
 and hands it to the candidate's shadow cache.  The tuner picks the candidate
-the real cache runs (LRU is always a candidate) and the new parameters are
-swapped into the live queue.  The job never raises: an error is counted and
-logged, the last good parameters stay, and the next run starts afresh.
+the real cache runs (LRU, until another is measured better) and its
+parameters are swapped into the live queue when they changed.  The job never
+raises: an error is counted and logged, the last good parameters stay, and
+the next run starts afresh.
+
+The controller is the one owner of the live parameters: the refit job (on
+its own thread) and the operator's pin/unpin (on the engine thread) resolve
+and apply them under one lock, so neither can overwrite the other's.
 
 The same object runs in the engine-core process (on an apscheduler thread)
 and in ``vllm-wa replay`` (called at trace time through the replay clock).
@@ -15,11 +20,9 @@ and in ``vllm-wa replay`` (called at trace time through the replay clock).
 
 from __future__ import annotations
 
-import json
 import logging
-
 import math
-import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,18 +31,26 @@ from typing import Any
 
 import numpy as np
 
+from vllm_wa.controller.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointFailures,
+    read_checkpoint,
+    write_checkpoint,
+)
 from vllm_wa.controller.config import CandidateSpec, ControllerConfig
-from vllm_wa.controller.estimators import FitState, ReuseEstimator, fit_model
-from vllm_wa.controller.features import FINEST, FeatureKey
+from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, pooled
+from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
+from vllm_wa.controller.tuner import LRU, Tuner
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
-from vllm_wa.params import ParamsError, ReuseModel, WAParams
+from vllm_wa.params import ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
-CHECKPOINT_VERSION = 1
 MAX_FINE_CLASSES = 1024
 
 
@@ -49,8 +60,7 @@ class Candidate:
     shadow: ShadowCache
     key: FeatureKey | None
     params: WAParams = field(default_factory=WAParams.lru)
-    lead_since: float | None = None
-    fits: dict[str, FitState] = field(default_factory=dict)
+    fits: dict[str, ModelFit] = field(default_factory=dict)
 
 
 def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
@@ -61,21 +71,24 @@ def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
 def start_online(
     config: ControllerConfig,
     cache_blocks: int,
-    install: Callable[[EventSink, ClassRegistry, FeatureKey], tuple[Any, Any]],
+    install: Callable[[EventSink, ClassRegistry, FeatureKey, ConversationTracker], tuple[Any, Any]],
     clock: Callable[[], float] = time.monotonic,
     prior: WAParams | None = None,
 ) -> WAController:
     """Wire a live queue to a new controller (the engine and the replay share this).
 
-    ``install(sink, registry, class_key)`` puts the workload-aware queue in
-    place and returns ``(queue, tagger)``; swaps go to both.
+    ``install(sink, registry, class_key, conversations)`` puts the
+    workload-aware queue in place and returns ``(queue, tagger)``; swaps go
+    to both.
     """
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
-    sink = EventSink(capacity=config.event_capacity, sample_rate=rate)
-    registry = ClassRegistry(max_classes=config.max_classes)
+    chain = sample_rate_for(cache_blocks, config.shadow_blocks) if config.shadow_sampling == "chain" else None
+    sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain)
+    registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
-    queue, tagger = install(sink, registry, key)
+    conversations = ConversationTracker(max_age_s=config.max_watch_s)
+    queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
         prior = WAParams.load(config.seed_params)
 
@@ -117,6 +130,11 @@ class WAController:
         self.prior = prior if prior is not None else WAParams.lru(source="prior")
         rate = sink.sample_rate
         sampled_cache = max(2, int(round(cache_blocks * rate)))
+        # Finest classes: every feature some candidate's key uses (the others
+        # are folded), interned up to MAX_FINE_CLASSES.
+        used = {f for c in config.all_candidates for f in c.features if not c.lru}
+        self._fold = tuple(i for i, f in enumerate(FEATURES) if f not in used)
+        self._other_fine = ("other",) + ("*",) * (len(FEATURES) - 1)
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
         self.estimators: list[ReuseEstimator] = []
@@ -127,16 +145,23 @@ class WAController:
             on_reuse=self._on_reuse,
             on_censored=self._on_censored,
         )
+        self._chain = sink.chain_rate is not None
         self._shadow_threshold = int(min(1.0, sample_rate_for(cache_blocks, config.shadow_blocks) / rate) * (1 << 64))
         self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
         self.candidates: dict[str, Candidate] = {}
         for spec in config.all_candidates:
-            shadow = ShadowCache(spec, self.shadow_blocks, config.tuner_window_s, config.max_classes)
+            shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes)
             key = None if spec.lru else FeatureKey(tuple(spec.features))
             self.candidates[spec.name] = Candidate(spec, shadow, key)
-        self.active = config.initial
+        self._shadows = [c.shadow for c in self.candidates.values()]
+        self.tuner = Tuner(list(self.candidates), config.tuner_settings, initial=config.initial)
         self.pinned: WAParams | None = None
+        self._pinned_key: FeatureKey | None = None
+        # What the live queue runs: the parameters and the class key (None: LRU).
         self.params = self.prior
+        self._applied_key: FeatureKey | None = None
+        self._applied_candidate: str | None = None
+        self._swap_lock = threading.Lock()
         self.version = 0
         self.refits = 0
         self.swaps = 0
@@ -147,9 +172,10 @@ class WAController:
         self.refit_seconds = 0.0
         self.events_processed = 0
         self.drift_events: deque[dict[str, Any]] = deque(maxlen=50)
-        self.switches: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
+        self._last_fit = -math.inf
+        self.checkpoint_failures = CheckpointFailures()
         # The state as of the last refit, published for other threads (the
         # engine loop serves /wa/params from it while a refit may be running).
         self.snapshot: dict[str, Any] | None = None
@@ -160,7 +186,7 @@ class WAController:
         fid = self._fine_ids.get(comps)
         if fid is None:
             if len(self._fine) >= MAX_FINE_CLASSES:
-                comps = ("other", comps[1], comps[2], comps[3])
+                comps = self._other_fine
                 fid = self._fine_ids.get(comps)
                 if fid is not None:
                     return fid
@@ -173,38 +199,56 @@ class WAController:
         return fid
 
     def _on_reuse(self, fid: int, gap: float) -> None:
-        if self.estimators[fid].update(gap=gap):
+        if self.estimators[fid].update(gap):
             self.drift_events.append({"time": self.clock(), "class": FINEST.name_of(self._fine[fid])})
 
     def _on_censored(self, fid: int, exposure: float) -> None:
-        self.estimators[fid].update(exposure=exposure)
+        self.estimators[fid].censor(exposure)
 
-    def _shadow_hashes(self, hashes: Any) -> list:
+    def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
+        comps = FINEST.components(request, position, reuse_count)
+        if self._fold:
+            comps = list(comps)
+            for i in self._fold:
+                comps[i] = "*"
+            comps = tuple(comps)
+        return comps
+
+    def _shadow_hashes(self, ev: Any) -> list:
+        """The hashes a lookup brings to the miniature caches (see ``shadow_sampling``)."""
+        if self._chain:
+            return [h for _, h in ev.chain]
         thr = self._shadow_threshold
         if thr >= 1 << 64:
-            return [h for _, h in hashes]
-        return [h for _, h in hashes if hash_sample_value(h) < thr]
+            return [h for _, h in ev.hashes]
+        return [h for _, h in ev.hashes if hash_sample_value(h) < thr]
+
+    @property
+    def active(self) -> str:
+        """The candidate the tuner runs (the live queue runs it unless pinned)."""
+        return self.tuner.active
 
     def process(self, events: list[Any]) -> None:
         """Apply drained engine events in order."""
         tracker = self.tracker
-        shadows = [c.shadow for c in self.candidates.values()]
+        shadows = self._shadows
+        record = self.tuner.record
         for ev in events:
             kind = ev.kind
             if kind == EventKind.FREED:
-                comps = FINEST.components(ev.tag, ev.outcome, ev.position, ev.reuse_count)
+                comps = self._finest(ev.request, ev.position, ev.reuse_count)
                 tracker.freed(ev.block_hash, self._fine_id(comps), ev.time)
             elif kind == EventKind.EVICTED:
                 tracker.evicted(ev.block_hash, ev.time)
             elif kind == EventKind.LOOKUP:
                 tracker.looked_up(ev.hashes, ev.time)
-                hs = self._shadow_hashes(ev.hashes)
-                if hs:
-                    for s in shadows:
-                        s.lookup(ev.request_id, ev.tag, hs, ev.time)
+                hs = self._shadow_hashes(ev)
+                if hs and not shadows[0].cache.holds(ev.request_id):
+                    # The same sampled request in every miniature cache: paired evidence.
+                    record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows])
             elif kind == EventKind.FINISHED:
                 for s in shadows:
-                    s.finish(ev.request_id, ev.outcome, ev.time)
+                    s.finish(ev.request_id, ev.request, ev.time)
         self.events_processed += len(events)
 
     # ---- the job ----------------------------------------------------------------------------
@@ -230,13 +274,22 @@ class WAController:
         self.tracker.expire(now)
         for cand in self.candidates.values():
             cand.shadow.expire(now, self.config.max_watch_s)
-        at_risk = self._at_risk(now)
-        for cand in self.candidates.values():
-            if cand.spec.lru:
-                continue
-            cand.params = self._fit_candidate(cand, at_risk)
-            cand.shadow.set_params(cand.params)
-        self._tune(now)
+        if now - self._last_fit >= self.config.fit_interval_s:
+            # Fits move slowly (forgetting scales every count alike); the
+            # tuner still decides, and swaps land, at every refit.
+            self._last_fit = now
+            at_risk = self._at_risk(now)
+            for cand in self.candidates.values():
+                if cand.spec.lru:
+                    continue
+                cand.params = self._fit_candidate(cand, at_risk)
+                cand.shadow.set_params(cand.params)
+        if self.config.tuner_enabled:
+            sw = self.tuner.decide(now)
+            if sw is not None:
+                logger.info("vllm-wa tuner: %s %s -> %s (lead %.4f, bound %.4f, %d requests in %d batches)",
+                            sw.reason, sw.from_candidate, sw.to_candidate, sw.lead, sw.lower_bound,
+                            sw.requests, sw.batches)
         self.refits += 1
         self.last_refit = now
         self._swap(now)
@@ -250,9 +303,9 @@ class WAController:
         n = len(self.tracker)
         if not n:
             return {}
-        arr = np.fromiter((x for e in self.tracker.at_risk(now) for x in e), dtype=np.float64, count=2 * n)
-        fids = arr[0::2].astype(np.int64)
-        bins = bin_exposures(arr[1::2])
+        arr = self.tracker.at_risk_array(now)
+        fids = arr[:, 0].astype(np.int64)
+        bins = bin_exposures(arr[:, 1])
         counts = np.zeros((len(self._fine), NUM_BINS))
         np.add.at(counts, (fids, bins), 1.0)
         return {int(f): SurvivalData(np.zeros(NUM_BINS), counts[f]) for f in np.flatnonzero(counts.sum(axis=1))}
@@ -260,29 +313,20 @@ class WAController:
     def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
         spec, key = cand.spec, cand.key
         assert key is not None
-        pooled: dict[str, SurvivalData] = {}
-        total = SurvivalData()
+        members: dict[str, list[int]] = {}
         for fid, comps in enumerate(self._fine):
-            name = key.name_of(comps)
-            d = pooled.get(name)
-            if d is None:
-                d = pooled[name] = SurvivalData()
-            d += self.estimators[fid].data
-            if fid in at_risk:
-                d += at_risk[fid]
+            members.setdefault(key.name_of(comps), []).append(fid)
         models: dict[str, ReuseModel] = {}
-        for name, d in pooled.items():
+        total = SurvivalData()
+        for name, fids in members.items():
+            d = pooled((self.estimators[f] for f in fids), *(at_risk[f] for f in fids if f in at_risk))
             total += d
             if d.n_events < self.config.min_samples:
                 continue
-            m = fit_model(d, spec.family, cand.fits.setdefault(name, FitState()))
+            m = self._model_fit(cand, name).get(d)
             if m is not None:
                 models[name] = m
-        default = (
-            fit_model(total, spec.family, cand.fits.setdefault("\0default", FitState()))
-            if total.n_events >= self.config.min_samples
-            else None
-        )
+        default = self._model_fit(cand, "\0default").get(total) if total.n_events >= self.config.min_samples else None
         if not models:
             return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, source="prior")
         return WAParams(
@@ -293,49 +337,45 @@ class WAController:
             source=f"online:{spec.name}",
         )
 
-    def _tune(self, now: float) -> None:
-        cfg = self.config
-        if not cfg.tuner_enabled:
-            return
-        cur = self.candidates[self.active]
-        cur_rate = cur.shadow.window.rate
-        best = None
-        for cand in self.candidates.values():
-            h, n = cand.shadow.window.totals()
-            if n < cfg.tuner_min_lookups:
-                cand.lead_since = None
-                continue
-            if cand is cur or cand.shadow.window.rate <= cur_rate + cfg.tuner_margin:
-                cand.lead_since = None
-                continue
-            if cand.lead_since is None:
-                cand.lead_since = now
-            if now - cand.lead_since >= cfg.tuner_hold_s and (
-                best is None or cand.shadow.window.rate > best.shadow.window.rate
-            ):
-                best = cand
-        if best is not None:
-            self.switches.append(
-                {"time": now, "from": self.active, "to": best.spec.name,
-                 "from_rate": cur_rate, "to_rate": best.shadow.window.rate}
-            )
-            self.active = best.spec.name
-            best.lead_since = None
+    @staticmethod
+    def _model_fit(cand: Candidate, name: str) -> ModelFit:
+        fit = cand.fits.get(name)
+        if fit is None:
+            fit = cand.fits[name] = ModelFit(cand.spec.family)
+        return fit
 
-    def _swap(self, now: float) -> None:
-        cand = self.candidates[self.active]
+    def _target(self) -> tuple[WAParams, FeatureKey | None, str]:
+        """What the live queue should run: the pin, or the tuner's candidate."""
         if self.pinned is not None:
-            params, key = self.pinned, self._pinned_key
-        elif cand.spec.lru:
-            params, key = WAParams.lru(source="online:lru"), None
-        else:
-            params, key = self._with_other_classes(cand), cand.key
-        self.version += 1
-        params = params.evolve(version=self.version)
-        self.apply(params, key)
-        self.params = params
-        self.swaps += 1
-        self.last_swap = now
+            return self.pinned, self._pinned_key, "pinned"
+        cand = self.candidates[self.active]
+        if cand.spec.lru:
+            return WAParams.lru(source="online:lru"), None, LRU
+        return cand.params, cand.key, cand.spec.name
+
+    def _swap(self, now: float) -> bool:
+        """Apply the target parameters if they differ from the live ones; under the lock."""
+        with self._swap_lock:
+            params, key, name = self._target()
+            if (
+                self.version > 0
+                and name == self._applied_candidate
+                and key == self._applied_key
+                and not params_changed(self.params, params, self.config.swap_tolerance)
+            ):
+                return False
+            if name not in ("pinned", LRU):
+                params = self._with_other_classes(self.candidates[name])
+            self.version += 1
+            params = params.evolve(version=self.version)
+            params.compile()  # scorers are built here, not on the engine thread
+            self.apply(params, key)
+            self.params = params
+            self._applied_key = key
+            self._applied_candidate = name
+            self.swaps += 1
+            self.last_swap = now
+            return True
 
     def _with_other_classes(self, cand: Candidate) -> WAParams:
         """The active candidate's parameters, plus the other candidates' classes.
@@ -356,17 +396,18 @@ class WAController:
 
     # ---- operator control ---------------------------------------------------------------------
 
-    _pinned_key: FeatureKey | None = None
-
     def pin(self, params: WAParams, features: tuple[str, ...] | None = None) -> None:
         """Run fixed parameters (learning continues); validated by the caller."""
-        self._pinned_key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
-        self.pinned = params.evolve(source="pinned")
+        key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
+        with self._swap_lock:
+            self.pinned = params.evolve(source="pinned")
+            self._pinned_key = key
         self._swap(self.clock())
 
     def unpin(self) -> None:
-        self.pinned = None
-        self._pinned_key = None
+        with self._swap_lock:
+            self.pinned = None
+            self._pinned_key = None
         self._swap(self.clock())
 
     # ---- state ------------------------------------------------------------------------------------
@@ -409,24 +450,32 @@ class WAController:
         def rnd(x: float | None) -> float | None:
             return None if x is None else round(x, 6)
 
+        now = self.clock() if self.last_refit is None else self.last_refit
+        tuner = self.tuner.state(now)
+        rates = tuner.pop("window_rates")
         return {
             **self.state_light(),
             "classes": self.class_estimates(),
             "candidates": [
                 {
-                    "name": c.spec.name,
-                    "active": c.spec.name == self.active,
-                    "sampled_hit_rate": rnd(c.shadow.window.rate),
-                    "sampled_lookups": c.shadow.window.totals()[1],
+                    "name": name,
+                    "active": name == self.active,
+                    "sampled_hit_rate": rnd(rate),
+                    "sampled_lookups": lookups,
                     "shadow_blocks": self.shadow_blocks,
                 }
-                for c in self.candidates.values()
+                for name, (rate, lookups) in rates.items()
             ],
             "drift_events": list(self.drift_events),
-            "switches": list(self.switches),
+            "switches": tuner["switches"],
+            "promotions": tuner["promotions"],
+            "demotions": tuner["demotions"],
+            "seconds_on_candidate": tuner["seconds_on_candidate"],
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
             "last_error": self.last_error,
+            "checkpoint_errors": self.checkpoint_failures.count,
+            "last_checkpoint_error": self.checkpoint_failures.last_error,
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
             "events_dropped": self.sink.dropped,
@@ -437,50 +486,37 @@ class WAController:
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str) -> None:
-        """Atomic write: a crash leaves the old checkpoint or the new one, never half."""
-        data = {
-            "version": CHECKPOINT_VERSION,
-            "active": self.active,
-            "params": self.params.to_pr_json(),
-            "classes": [
-                {"components": list(comps), "data": self.estimators[fid].data.state()}
-                for fid, comps in enumerate(self._fine)
-            ],
-        }
-        tmp = f"{path}.tmp{os.getpid()}"
+    def save_checkpoint(self, path: str) -> bool:
+        """Write a checkpoint (atomically); a failure is counted, never raised."""
+        ckpt = Checkpoint(
+            self.active,
+            self.params,
+            tuple((comps, self.estimators[fid].data) for fid, comps in enumerate(self._fine)),
+        )
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("vllm-wa: cannot write checkpoint %s: %s", path, e)
+            write_checkpoint(path, ckpt)
+        except (OSError, ValueError) as e:
+            self.checkpoint_failures.record(path, e)
+            return False
+        return True
 
     def load_checkpoint(self, path: str) -> bool:
-        """Warm-start from a checkpoint; on any problem, warn and keep the prior."""
+        """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION:
-                raise ValueError(f"unsupported checkpoint version {data.get('version') if isinstance(data, dict) else None!r}")
-            classes = data["classes"]
-            restored: list[tuple[tuple, SurvivalData]] = []
-            for c in classes:
-                comps = tuple(c["components"])
-                if len(comps) != 4:
-                    raise ValueError("bad class components")
-                restored.append((comps, SurvivalData.from_state(c["data"])))
-            params = WAParams.from_pr_json(data["params"])
-            active = data.get("active")
-        except FileNotFoundError:
-            return False
-        except (OSError, ValueError, KeyError, TypeError, ParamsError) as e:
+            ckpt = read_checkpoint(path, max_classes=MAX_FINE_CLASSES)
+        except CheckpointError as e:
             logger.warning("vllm-wa: ignoring checkpoint %s (%s); starting from the prior", path, e)
             return False
-        for comps, d in restored:
+        except Exception:  # noqa: BLE001 - never fail the engine's start over a checkpoint
+            logger.exception("vllm-wa: ignoring checkpoint %s (unexpected error); starting from the prior", path)
+            return False
+        if ckpt is None:
+            return False
+        for comps, d in ckpt.classes:
             fid = self._fine_id(comps)
             self.estimators[fid].data = d
-        if active in self.candidates:
-            self.active = active
-        self.params = params
+        # The saved active candidate is not trusted: the tuner starts on LRU and
+        # re-confirms a candidate on this traffic before promoting it.
+        self.params = ckpt.params
+        self.version = max(self.version, ckpt.params.version)
         return True

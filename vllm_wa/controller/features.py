@@ -1,10 +1,14 @@
-"""Class keys built from per-block features.
+"""Class keys built from what the engine knows when a block is freed.
 
-A block's features at the moment it is freed: the client's tag, the outcome
-of the request that freed it (its reply called a tool, ended the turn, hit
-the length limit), its depth in that prompt and how often it has been reused.
-A :class:`FeatureKey` joins the chosen features, bucketed, into a bounded
-class name; it is the class-key function the block tagger calls.
+A block's features at that moment: the client's tag, the outcome of the
+request that freed it (its reply called a tool, ended the turn, hit the
+length limit), its depth in that prompt, how often it has been reused, and
+the request's place in its conversation, derived by the engine from the
+prefix chain (:mod:`vllm_wa.engine_patch.conversations`): the think time
+before it, the reply's length, the prompt's growth since the previous turn
+and the turn count.  A :class:`FeatureKey` joins the chosen features,
+bucketed, into a bounded class name; it is the class-key function the block
+tagger calls.
 """
 
 from __future__ import annotations
@@ -13,10 +17,23 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-FEATURES = ("tag", "outcome", "depth", "reuse")
-_PREFIX = {"tag": "", "outcome": "o:", "depth": "d", "reuse": "r"}
+FEATURES = ("tag", "outcome", "depth", "reuse", "think", "reply", "growth", "turn")
+# Features that depend on the block, not only on its request.
+BLOCK_FEATURES = ("depth", "reuse")
+_PREFIX = {"tag": "", "outcome": "o:", "depth": "d", "reuse": "r", "think": "k", "reply": "y", "growth": "g", "turn": "n"}
 DEFAULT_DEPTH_EDGES = (64, 512, 2048)  # blocks: shallow, mid, deep, very deep
 DEFAULT_REUSE_EDGES = (1, 2, 4)  # reuse counts: 0, 1, 2-3, 4+
+DEFAULT_THINK_EDGES = (30.0, 300.0, 1800.0)  # seconds: a tool, a quick reply, a person, a break
+DEFAULT_REPLY_EDGES = (100, 500, 2000)  # generated tokens
+DEFAULT_GROWTH_EDGES = (0.02, 0.1, 0.5)  # prompt growth relative to the previous turn
+DEFAULT_TURN_EDGES = (2, 5, 20)  # turn 1, 2-4, 5-19, 20+
+UNKNOWN = "u"  # a timing feature of a conversation's first turn (no previous turn)
+FOLDED = "*"  # a feature the controller's finest classes do not distinguish
+TIMING_FEATURES = ("think", "growth", "turn")  # may be UNKNOWN
+
+
+def _bucket(edges: tuple, value: float | None) -> Any:
+    return UNKNOWN if value is None else bisect_right(edges, value)
 
 
 @dataclass(frozen=True)
@@ -26,30 +43,49 @@ class FeatureKey:
     features: tuple[str, ...] = ("tag", "outcome")
     depth_edges: tuple[int, ...] = DEFAULT_DEPTH_EDGES
     reuse_edges: tuple[int, ...] = DEFAULT_REUSE_EDGES
+    think_edges: tuple[float, ...] = DEFAULT_THINK_EDGES
+    reply_edges: tuple[int, ...] = DEFAULT_REPLY_EDGES
+    growth_edges: tuple[float, ...] = DEFAULT_GROWTH_EDGES
+    turn_edges: tuple[int, ...] = DEFAULT_TURN_EDGES
 
     def __post_init__(self) -> None:
         bad = [f for f in self.features if f not in FEATURES]
         if bad or len(set(self.features)) != len(self.features):
             raise ValueError(f"features must be distinct names from {FEATURES}, got {list(self.features)}")
-        for name, edges in (("depth_edges", self.depth_edges), ("reuse_edges", self.reuse_edges)):
+        for name in ("depth_edges", "reuse_edges", "think_edges", "reply_edges", "growth_edges", "turn_edges"):
+            edges = getattr(self, name)
             if list(edges) != sorted(set(edges)) or any(e <= 0 for e in edges):
-                raise ValueError(f"{name} must be increasing positive integers, got {list(edges)}")
+                raise ValueError(f"{name} must be increasing positive numbers, got {list(edges)}")
+        object.__setattr__(self, "_index", tuple(FEATURES.index(f) for f in self.features))
+
+    def edges(self, feature: str) -> tuple:
+        """Bucket edges of a bucketed feature (not ``tag`` or ``outcome``)."""
+        return getattr(self, f"{feature}_edges")
 
     @property
     def uses_block_features(self) -> bool:
-        return "depth" in self.features or "reuse" in self.features
+        return any(f in BLOCK_FEATURES for f in self.features)
 
     @property
     def name(self) -> str:
         return "+".join(self.features) if self.features else "none"
 
-    def components(self, tag: str, outcome: str | None, position: int, reuse_count: int) -> tuple[Any, ...]:
-        """All four bucketed features (the finest class), in :data:`FEATURES` order."""
+    def components(self, request: Any, position: int, reuse_count: int) -> tuple[Any, ...]:
+        """Every feature, bucketed (the finest class), in :data:`FEATURES` order.
+
+        ``request`` is a ``RequestTags``: tag, outcome, reply tokens and the
+        turn timing the tagger found at its lookup (None: unknown).
+        """
+        timing = request.timing
         return (
-            tag,
-            outcome or "unknown",
+            request.tag,
+            request.outcome or "unknown",
             bisect_right(self.depth_edges, position),
             bisect_right(self.reuse_edges, reuse_count),
+            _bucket(self.think_edges, timing.think_s if timing is not None else None),
+            bisect_right(self.reply_edges, request.reply_tokens),
+            _bucket(self.growth_edges, timing.growth if timing is not None else None),
+            _bucket(self.turn_edges, timing.turn if timing is not None else None),
         )
 
     def name_of(self, comps: tuple[Any, ...]) -> str:
@@ -59,14 +95,11 @@ class FeatureKey:
         other features carry a prefix, so names of different keys never
         collide (``tool`` the tag vs ``o:tool`` the outcome).
         """
-        parts = []
-        for f in self.features:
-            v = comps[FEATURES.index(f)]
-            parts.append(_PREFIX[f] + str(v))
+        parts = [_PREFIX[FEATURES[i]] + str(comps[i]) for i in self._index]
         return ".".join(parts) if parts else "all"
 
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
-        return self.name_of(self.components(request.tag, request.outcome, position, reuse_count))
+        return self.name_of(self.components(request, position, reuse_count))
 
 
 FINEST = FeatureKey(FEATURES)

@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 Entry = tuple[int, float]  # (finest-class id, free time)
 
 
@@ -86,6 +88,12 @@ class ReuseTracker:
         for table in (self.watch, self.ghost):
             for k, t0 in table.values():
                 yield k, now - t0
+
+    def at_risk_array(self, now: float) -> np.ndarray:
+        """The same as an ``(n, 2)`` array, built without a Python loop per block."""
+        arr = np.array([*self.watch.values(), *self.ghost.values()], dtype=np.float64).reshape(-1, 2)
+        arr[:, 1] = now - arr[:, 1]
+        return arr
 
     def _censor(self, key: int, exposure: float) -> None:
         self.censored += 1

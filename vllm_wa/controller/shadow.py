@@ -4,14 +4,13 @@ Each candidate runs in its own small pool fed with a hash-sampled slice of
 every prompt (spatial sampling: the same fraction of block hashes, in a pool
 scaled by the same fraction), using the very same queue and tagger classes as
 the engine.  Hits follow the prefix rule on the sampled subsequence: once a
-sampled block misses, the rest of the prompt misses too.  Their hit rates over a sliding window tell the tuner which
-configuration to run in the real cache.
+sampled block misses, the rest of the prompt misses too.  Each request's hits
+in every miniature cache go to the tuner, which compares the candidates on
+the same requests.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
@@ -26,38 +25,10 @@ from vllm_wa.sim.prefix_cache import SimPrefixCache
 from vllm_wa.workload_classes import ClassRegistry
 
 
-@dataclass
-class HitWindow:
-    """Hits and lookups in time buckets over a sliding window."""
-
-    window_s: float
-    bucket_s: float = 30.0
-    _buckets: deque = field(default_factory=deque)
-
-    def add(self, t: float, hits: int, lookups: int) -> None:
-        b = int(t // self.bucket_s)
-        if self._buckets and self._buckets[-1][0] == b:
-            self._buckets[-1][1] += hits
-            self._buckets[-1][2] += lookups
-        else:
-            self._buckets.append([b, hits, lookups])
-        oldest = int((t - self.window_s) // self.bucket_s)
-        while self._buckets and self._buckets[0][0] < oldest:
-            self._buckets.popleft()
-
-    def totals(self) -> tuple[int, int]:
-        return sum(x[1] for x in self._buckets), sum(x[2] for x in self._buckets)
-
-    @property
-    def rate(self) -> float:
-        h, n = self.totals()
-        return h / n if n else 0.0
-
-
 class ShadowCache:
     """One candidate's miniature cache."""
 
-    def __init__(self, spec: CandidateSpec, num_blocks: int, window_s: float, max_classes: int) -> None:
+    def __init__(self, spec: CandidateSpec, num_blocks: int, max_classes: int) -> None:
         self.spec = spec
         self.name = spec.name
         self.key = None if spec.lru else FeatureKey(tuple(spec.features))
@@ -69,7 +40,6 @@ class ShadowCache:
         # blocks but loses their prefix gains nothing, as in the real cache.
         self.cache = SimPrefixCache(max(2, num_blocks), self._make_queue, last_block_hits=True)
         self.cache.hooks = self.tagger
-        self.window = HitWindow(window_s)
         self.hits = 0
         self.lookups = 0
         self.overflow = 0
@@ -88,12 +58,13 @@ class ShadowCache:
         if self.queue is not None and not self.spec.lru:
             self.queue.set_params(params)
 
-    def lookup(self, request_id: str, tag: str, hashes: list[Any], t: float) -> None:
-        """A prompt (its sampled block hashes) arrives."""
+    def lookup(self, request_id: str, tag: str, hashes: list[Any], t: float) -> int:
+        """A prompt (its sampled block hashes) arrives; returns its hit blocks.
+
+        The caller skips repeated lookups of a request that is still held.
+        """
         self.clock.t = t
         cache = self.cache
-        if cache.holds(request_id):  # a repeated lookup of a waiting request
-            return
         n_hit = cache.admit(request_id, hashes, t, RequestTags(request_id, tag))
         if n_hit < 0:
             self.overflow += 1
@@ -103,15 +74,19 @@ class ShadowCache:
             self._since[request_id] = t
         self.hits += n_hit
         self.lookups += len(hashes)
-        self.window.add(t, n_hit, len(hashes))
+        return n_hit
 
-    def finish(self, request_id: str, outcome: str | None, t: float) -> None:
+    def finish(self, request_id: str, request: RequestTags | None, t: float) -> None:
+        """The request released its blocks in the engine; ``request`` is what it
+        was filed under there (tag, outcome, turn timing), None if it held none."""
         self.clock.t = t
         tag = self._tags.pop(request_id, None)
         if tag is None:
             return
         del self._since[request_id]
-        self.cache.release(request_id, t, RequestTags(request_id, tag, outcome))
+        if request is None:
+            request = RequestTags(request_id, tag)
+        self.cache.release(request_id, t, request)
 
     def expire(self, now: float, max_hold_s: float) -> int:
         """Release requests held longer than ``max_hold_s`` (their finish was lost)."""

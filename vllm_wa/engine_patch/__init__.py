@@ -1,21 +1,23 @@
 """The workload-aware free queue and the hooks that install it into vLLM."""
 
 from vllm_wa.engine_patch.events import (
-    BlockEvent,
     EventKind,
     EventSink,
+    EvictedEvent,
     FinishedEvent,
     FreedEvent,
     LookupEvent,
+    TurnEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 
 __all__ = [
-    "BlockEvent",
     "EventKind",
     "EventSink",
+    "EvictedEvent",
     "FinishedEvent",
     "FreedEvent",
     "LookupEvent",
+    "TurnEvent",
     "WorkloadAwareFreeQueue",
 ]

@@ -3,13 +3,17 @@
 The engine hooks (and the replay drivers, through the same object) call
 :meth:`BlockTagger.on_lookup` when a request's prompt is matched against the
 prefix cache and :meth:`BlockTagger.on_free` just before its blocks go back
-to the pool.  The tagger files every block under the class computed by a
-replaceable class-key function of the request, the block's position in it and
-how often the block has been reused, and emits the per-request events.
+to the pool.  At the lookup the request is placed in its conversation
+(:mod:`vllm_wa.engine_patch.conversations`: turn, think time, growth); at
+the free every block is filed under the class computed by a replaceable
+class-key function of the request (tag, outcome, timing, reply length), the
+block's position in it and how often the block has been reused, and the
+per-request events are emitted.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -17,22 +21,44 @@ from typing import Any, Protocol
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.engine_patch.conversations import ConversationTracker, TurnTiming
+from vllm_wa.engine_patch.events import (
+    EventKind,
+    EventSink,
+    FinishedEvent,
+    FreedEvent,
+    LookupEvent,
+    TurnEvent,
+)
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
-from vllm_wa.workload_classes import DEFAULT_CLASS, TagCounters, normalize_tag
+from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
 
 # Reply outcomes, known to the engine (stop, length, abort) or reported to it
 # after the API server parsed the reply (tool).
 OUTCOMES = ("tool", "stop", "length", "abort", "error")
+# Outcomes the engine observes that no late report may change: a report
+# refines how a reply ended (a tool call behind a plain stop, or a trace's
+# outcome behind the length limit that ignore_eos forces), it cannot turn an
+# aborted or failed request into a finished one.
+ENGINE_FINAL_OUTCOMES = ("abort", "error")
+# Requests whose tags are remembered until they finish (each is counted once);
+# past this many unfinished requests the oldest is forgotten.
+MAX_LIVE_REQUESTS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
 class RequestTags:
-    """What the class key may know about a request."""
+    """What the class key may know about a request.
+
+    ``timing`` is filled in by the tagger from the request's lookup;
+    ``outcome`` and ``reply_tokens`` are known when it finishes.
+    """
 
     request_id: str
     tag: str = DEFAULT_CLASS
     outcome: str | None = None
+    reply_tokens: int = 0
+    timing: TurnTiming | None = None
 
 
 class ClassKeyFunction(Protocol):
@@ -61,6 +87,16 @@ class _FreedRequest:
     tags: RequestTags
     serial: int
     block_ids: list[int]
+    turn: Any = None  # its conversation tip, labelled when the next turn comes
+
+
+@dataclass(frozen=True, slots=True)
+class _Lookup:
+    """A looked-up request until it frees its blocks."""
+
+    timing: TurnTiming
+    tips: tuple  # its prompt's last full block hashes
+    prompt_blocks: int
 
 
 class BlockTagger:
@@ -72,6 +108,10 @@ class BlockTagger:
         sink: where lookup and finished events go (None: none).
         class_key: the class-key function (default: the tag alone).
         remember_finished: how many freed requests :meth:`reclassify` can reach.
+        conversations: the conversation tracker (None: requests get no turn
+            timing, as in the miniature caches, which are told it).
+        tags: the registry of workload tags for hit accounting (default: one
+            with the cap and retire time of the queue's class registry).
     """
 
     def __init__(
@@ -82,38 +122,84 @@ class BlockTagger:
         sink: EventSink | None = None,
         class_key: ClassKeyFunction | None = None,
         remember_finished: int = 4096,
+        conversations: ConversationTracker | None = None,
+        tags: ClassRegistry | None = None,
     ) -> None:
         self.queue = queue
         self.blocks = blocks
         self.sink = sink
         self.class_key: ClassKeyFunction = class_key if class_key is not None else TagClassKey()
         self.tag_counters = TagCounters()
+        classes = queue.registry
+        self.tags = tags if tags is not None else ClassRegistry(classes.max_classes, classes.retire_after_s)
+        # Releases whose blocks went to ``other`` because every class slot was taken.
+        self.releases_over_class_cap = 0
+        # Tag of each request seen and not finished: counted once, at first sight.
+        self._live_tags: OrderedDict[str, str] = OrderedDict()
+        retire_s = min(classes.retire_after_s, self.tags.retire_after_s)
+        self._retire_every = max(1.0, retire_s / 10.0)
+        self._next_retire = -math.inf
         n = len(queue.block_class)
         self.reuse_count = [0] * n
         # The hash a block had when its reuse count was last updated: a block
         # that was evicted and refilled starts counting again.
         self._counted_hash: list[Any] = [None] * n
+        # The hash a block's sampling flag was computed for (hashing every
+        # block at every lookup and free would cost more than the eviction).
+        self._flagged_hash: list[Any] = [None] * n
         self._owner = [0] * n
         self._serial = 0
-        self._looked_up: dict[str, int] = {}
+        self._looked_up: dict[str, _Lookup | None] = {}
+        self.conversations = conversations
+        if conversations is not None and sink is not None:
+            conversations.on_label = self._emit_label
         # Freed requests by the key late facts arrive under (see request_key);
         # several engine requests (n > 1) can share one key.
         self._finished: OrderedDict[str, list[_FreedRequest]] = OrderedDict()
         # Maps an engine request id to the id late facts are reported under
         # (the API server knows its own, external id).
         self.request_key: Callable[[str], str] = str
-        cap = queue.num_classes_cap
-        self.hit_blocks_by_class = [0] * cap
-        self.queried_blocks_by_class = [0] * cap
+        self.hit_blocks_by_tag = [0] * self.tags.max_classes
+        self.queried_blocks_by_tag = [0] * self.tags.max_classes
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
         self._remember = max(1, int(remember_finished))
         self.reclassified_requests = 0
 
     # ---- tags ----------------------------------------------------------------------
 
-    def request_tags(self, request_id: str, raw_tag: Any, outcome: str | None = None) -> RequestTags:
-        """Validated tags of a request (bad tags are counted, never raised)."""
-        return RequestTags(request_id, normalize_tag(raw_tag, self.tag_counters), outcome)
+    def request_tags(
+        self, request_id: str, raw_tag: Any, outcome: str | None = None, reply_tokens: int = 0
+    ) -> RequestTags:
+        """Validated tags of a request (bad tags are counted, never raised).
+
+        The first call for a request checks its tag and claims it a slot in
+        the tag registry (``other`` when full), counting a missing, invalid
+        or over-cap tag once; later calls, until the request finishes, reuse
+        that result.
+        """
+        live = self._live_tags
+        tag = live.get(request_id)
+        if tag is None:
+            counters = self.tag_counters
+            tag = normalize_tag(raw_tag, counters)
+            now = self.queue.clock()
+            self.retire_idle(now)
+            if self.tags.claim(tag, now) is None:
+                counters.over_cap += 1
+                tag = OTHER_CLASS
+            live[request_id] = tag
+            if len(live) > MAX_LIVE_REQUESTS:
+                live.popitem(last=False)
+        return RequestTags(request_id, tag, outcome, reply_tokens)
+
+    def retire_idle(self, now: float) -> None:
+        """Give back the slots of tags and classes unused for their retire time (throttled)."""
+        if now < self._next_retire:
+            return
+        self._next_retire = now + self._retire_every
+        for tid in self.tags.retire_idle(now):
+            self.hit_blocks_by_tag[tid] = self.queried_blocks_by_tag[tid] = 0
+        self.queue.retire_idle_classes(now)
 
     def set_class_key(self, class_key: ClassKeyFunction) -> None:
         """Swap the class-key function (takes effect at the next free)."""
@@ -141,56 +227,74 @@ class BlockTagger:
         rid = req.request_id
         if rid in self._looked_up:
             return
-        self._looked_up[rid] = len(hit_blocks)
-        self.count_reuse(hit_blocks)
         if now is None:
             now = self.queue.clock()
-        self._record_free_hits(hit_blocks, now)
+        convs = self.conversations
+        timing = None
+        if convs is not None:
+            timing = convs.lookup(block_hashes, len(hit_blocks), now)
+            self._looked_up[rid] = _Lookup(timing, tuple(block_hashes[-2:]), len(block_hashes))
+        else:
+            self._looked_up[rid] = None
+        self.count_reuse(hit_blocks)
+        self._record_free_hits(hit_blocks)
         # Hit accounting is per workload tag (the outcome is not known yet).
-        tag_id = self.queue.registry.id_of(req.tag)
-        self.hit_blocks_by_class[tag_id] += len(hit_blocks)
-        self.queried_blocks_by_class[tag_id] += len(block_hashes)
-        cls = self.queue.registry.id_of(self.class_key(req, 0, 0))
+        tag_id = self.tags.id_of(req.tag, now)
+        self.hit_blocks_by_tag[tag_id] += len(hit_blocks)
+        self.queried_blocks_by_tag[tag_id] += len(block_hashes)
         sink = self.sink
         if sink is None:
             return
+        # The class the request would free into as of now, if it holds a slot
+        # (a lookup claims none: only released blocks take class slots).
+        cls = self.queue.registry.find(self.class_key(req, 0, 0))
+        if cls is None:
+            cls = -1
         if sink.lookup_hashes == "none":
             hashes: tuple = ()
         elif sink.lookup_hashes == "all":
             hashes = tuple(enumerate(block_hashes))
         else:
-            is_sampled = sink.is_sampled
-            hashes = tuple((i, h) for i, h in enumerate(block_hashes) if is_sampled(h))
+            hashes = self._sampled_positions(hit_blocks, block_hashes)
+        chain: tuple = ()
+        if timing is not None and sink.chain_sampled(timing.conversation):
+            chain = tuple((i, block_hashes[i]) for i in range(timing.start, len(block_hashes)))
         if to_key is not None:
             hashes = tuple((i, to_key(h)) for i, h in hashes)
-        sink.emit(
-            LookupEvent(
-                EventKind.LOOKUP,
-                now,
-                rid,
-                req.tag,
-                cls,
-                len(hit_blocks),
-                len(block_hashes),
-                hashes,
-            )
-        )
+            chain = tuple((i, to_key(h)) for i, h in chain)
+        sink.emit(LookupEvent(EventKind.LOOKUP, now, rid, req.tag, hashes, chain))
 
-    def _record_free_hits(self, hit_blocks: Sequence[KVCacheBlock], now: float) -> None:
-        """Count (and sample) hits on blocks that sat in the free list."""
-        queue = self.queue
-        cls_of, stamp_of, reused = queue.block_class, queue.stamp, queue.counters.reused
-        sink = self.sink
-        sampled = queue.sampled
-        all_ = sink is not None and sink.samples_all
+    def _sampled_positions(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
+        """``(position, hash)`` of the sampled prompt blocks: the cached prefix
+        by its blocks' flags, the rest by hashing."""
+        self._update_flags(hit_blocks)
+        sampled = self.queue.sampled
+        out = [(i, block_hashes[i]) for i, b in enumerate(hit_blocks) if sampled[b.block_id]]
+        is_sampled = self.sink.is_sampled
+        for i in range(len(hit_blocks), len(block_hashes)):
+            if is_sampled(block_hashes[i]):
+                out.append((i, block_hashes[i]))
+        return tuple(out)
+
+    def _update_flags(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Set each block's sampling flag, computed once per hash it holds."""
+        sampled, flagged = self.queue.sampled, self._flagged_hash
+        is_sampled = self.sink.is_sampled
+        for b in blocks:
+            h = b._block_hash
+            bid = b.block_id
+            if flagged[bid] is not h:
+                flagged[bid] = h
+                sampled[bid] = h is not None and is_sampled(h)
+
+    def _record_free_hits(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
+        """Count hits on blocks that sat in the free list, per class."""
+        cls_of, reused = self.queue.block_class, self.queue.counters.reused
         for b in hit_blocks:
             if b.ref_cnt == 0 and b.next_free_block is not None:
-                bid = b.block_id
-                c = cls_of[bid]
+                c = cls_of[b.block_id]
                 if c < len(reused):
                     reused[c] += 1
-                    if sink is not None and (all_ or sampled[bid]):
-                        sink.emit(BlockEvent(EventKind.REUSED, now, c, now - stamp_of[bid], b._block_hash))
 
     def count_reuse(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
         """One more prefix hit on each of ``hit_blocks``."""
@@ -203,17 +307,30 @@ class BlockTagger:
                 counts[bid] = 0
             counts[bid] += 1
 
-    def on_free(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
-        """``blocks`` (in allocation order) are about to be released by ``req``."""
+    def on_free(
+        self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None, *, finished: bool = True
+    ) -> None:
+        """``blocks`` (in allocation order) are about to be released by ``req``.
+
+        ``finished`` is False for a preempted request: it will be looked up
+        again and keeps its (counted) tag.
+        """
         rid = req.request_id
-        self._looked_up.pop(rid, None)
+        look = self._looked_up.pop(rid, None)
+        if finished:
+            self._live_tags.pop(rid, None)
+        if now is None:
+            now = self.queue.clock()
         key = self.request_key(rid)
-        pending = self._pending_outcome.pop(key, None)
-        if pending is not None:
+        pending = self._pending_outcome.pop(key, None) if finished else None
+        if pending is not None and req.outcome not in ENGINE_FINAL_OUTCOMES:
             # A reported fact (the reply called a tool) beats the engine's own
-            # finish reason (such replies end with a plain stop).
+            # stop or length (such replies end with a plain stop).
             req = replace(req, outcome=pending)
-        self.file_blocks(req, blocks)
+            self.reclassified_requests += 1
+        if look is not None and req.timing is None:
+            req = replace(req, timing=look.timing)
+        self.file_blocks(req, blocks, now)
         self._serial += 1
         serial = self._serial
         owner = self._owner
@@ -223,35 +340,32 @@ class BlockTagger:
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
-        recs.append(_FreedRequest(req, serial, ids))
+        rec = _FreedRequest(req, serial, ids)
+        recs.append(rec)
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
-        sink = self.sink
-        if sink is not None:
-            sink.emit(
-                FinishedEvent(
-                    EventKind.FINISHED,
-                    self.queue.clock() if now is None else now,
-                    rid,
-                    req.tag,
-                    req.outcome,
-                    len(ids),
-                )
-            )
+        if look is not None and self.conversations is not None and finished:
+            rec.turn = self.conversations.finished(look.timing, look.tips, look.prompt_blocks, req, now)
+        if self.sink is not None:
+            self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
-    def file_blocks(self, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+    def file_blocks(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
         """Write the class (and sampling flag) each block is freed into."""
         queue = self.queue
         cls_of = queue.block_class
-        sampled = queue.sampled
         sink = self.sink
         want_flags = sink is not None and not sink.samples_all
         key = self.class_key
-        reg_id = queue.registry.id_of
+        now = queue.clock() if now is None else now
+        self.retire_idle(now)
+        claim = queue.registry.claim
         counts, counted = self.reuse_count, self._counted_hash
+        over_cap = False
         if not key.uses_block_features:
-            cid = reg_id(key(req, 0, 0))
+            cid = claim(key(req, 0, 0), now)
+            if cid is None:
+                cid, over_cap = OTHER_ID, True
             for b in blocks:
                 cls_of[b.block_id] = cid
         else:
@@ -260,29 +374,30 @@ class BlockTagger:
                 if counted[bid] != b._block_hash:
                     counted[bid] = b._block_hash
                     counts[bid] = 0
-                cls_of[bid] = reg_id(key(req, pos, counts[bid]))
+                cid = claim(key(req, pos, counts[bid]), now)
+                if cid is None:
+                    cid, over_cap = OTHER_ID, True
+                cls_of[bid] = cid
+        if over_cap:
+            self.releases_over_class_cap += 1
         if sink is None:
             return
         if want_flags:
-            is_sampled = sink.is_sampled
-            for b in blocks:
-                h = b._block_hash
-                sampled[b.block_id] = h is not None and is_sampled(h)
-        self._emit_freed(req, blocks)
+            self._update_flags(blocks)
+        self._emit_freed(req, blocks, now)
 
-    def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+    def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
         """A FREED event for each sampled block this release puts on the free list."""
         sink = self.sink
         sampled = self.queue.sampled
         all_ = sink.samples_all
-        now = self.queue.clock()
         counts, counted = self.reuse_count, self._counted_hash
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
             if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
                 reuse = counts[bid] if counted[bid] == h else 0
-                sink.emit(FreedEvent(EventKind.FREED, now, h, req.tag, req.outcome, pos, reuse))
+                sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
 
     # ---- late facts --------------------------------------------------------------------
 
@@ -291,8 +406,9 @@ class BlockTagger:
 
         ``request_id`` is the key of :attr:`request_key` (the external id when
         the API server reports).  If the request has not released its blocks
-        yet, the outcome is kept and applied when it does.  Returns the
-        number of blocks moved.
+        yet, the outcome is kept and applied when it does.  It replaces the
+        engine's own ``stop`` or ``length``, never an ``abort`` or ``error``
+        (:data:`ENGINE_FINAL_OUTCOMES`).  Returns the number of blocks moved.
         """
         recs = self._finished.get(request_id)
         if recs is None:
@@ -300,23 +416,26 @@ class BlockTagger:
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
             return 0
-        return sum(self._reclassify(rec, outcome) for rec in recs)
+        return sum(self._reclassify(rec, outcome) for rec in recs if rec.tags.outcome not in ENGINE_FINAL_OUTCOMES)
 
     def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
         req = replace(rec.tags, outcome=outcome)
         rec.tags = req
+        if rec.turn is not None:
+            rec.turn.features = req
         self.reclassified_requests += 1
         queue = self.queue
         owner = self._owner
         blocks = self.blocks
         key = self.class_key
+        now = queue.clock()
         reg_id = queue.registry.id_of
         by_class: dict[int, list[KVCacheBlock]] = {}
         for pos, bid in enumerate(rec.block_ids):
             if owner[bid] != rec.serial:
                 continue
             b = blocks[bid]
-            cid = reg_id(key(req, pos, self.reuse_count[bid]))
+            cid = reg_id(key(req, pos, self.reuse_count[bid]), now)
             if b.next_free_block is None:
                 # Still held (a deferred free): it is filed at its release.
                 queue.block_class[bid] = cid
@@ -332,9 +451,14 @@ class BlockTagger:
     def forget(self, request_id: str, now: float | None = None) -> None:
         """A request left without holding blocks (it did not fit, or was aborted
         while waiting): drop its lookup and tell consumers it is finished."""
-        if self._looked_up.pop(request_id, None) is None:
+        self._live_tags.pop(request_id, None)
+        if request_id not in self._looked_up:
             return
+        del self._looked_up[request_id]
         sink = self.sink
         if sink is not None:
             t = self.queue.clock() if now is None else now
-            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, DEFAULT_CLASS, None, 0))
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, None))
+
+    def _emit_label(self, features: RequestTags, delay: float | None, exposure: float, now: float) -> None:
+        self.sink.emit(TurnEvent(EventKind.TURN, now, features, delay, exposure))

@@ -24,74 +24,76 @@ _MASK64 = (1 << 64) - 1
 
 class EventKind(IntEnum):
     FREED = 0
-    REUSED = 1
-    EVICTED = 2
-    LOOKUP = 3
-    FINISHED = 4
+    EVICTED = 1
+    LOOKUP = 2
+    FINISHED = 3
+    TURN = 4
 
 
 class FreedEvent(NamedTuple):
-    """A sampled block is released by its last holder, with its features.
+    """A sampled block is released by its last holder.
 
-    ``tag`` and ``outcome`` describe the request that released it,
-    ``position`` is the block's index in that prompt and ``reuse_count`` how
-    many prefix hits it has had: what a class key may be built from.
+    ``request`` is what the freeing request is filed under (its tag, outcome
+    and turn timing, a ``RequestTags``, shared by the events of its blocks),
+    ``position`` the block's index in the prompt and ``reuse_count`` its prefix
+    hits so far: what a class key is built from.
     """
 
     kind: EventKind
     time: float
     block_hash: Any
-    tag: str
-    outcome: str | None
+    request: Any
     position: int
     reuse_count: int
 
 
-class BlockEvent(NamedTuple):
-    """A free-list transition of one sampled block.
-
-    ``REUSED``: a prefix hit took it off the free list after ``idle`` seconds.
-    ``EVICTED``: it was reallocated after ``idle`` seconds; ``block_hash`` is
-    the hash it held, for the controller's ghost table.
-    """
+class EvictedEvent(NamedTuple):
+    """A sampled block was reallocated; ``block_hash`` is the hash it held (for the ghost table)."""
 
     kind: EventKind
     time: float
-    cls: int
-    idle: float
     block_hash: Any
 
 
 class LookupEvent(NamedTuple):
     """A request's prefix-cache lookup.
 
-    ``hashes`` holds ``(position, hash)`` of the prompt blocks the consumer
-    asked for (all, or the hash-sampled subset); ``hit_blocks`` counts the
-    prefix hit among ``queried_blocks``.
+    ``hashes``: ``(position, hash)`` of the hash-sampled prompt blocks (reuse
+    observations).  ``chain``: every block from the conversation's own start,
+    when the request's conversation is sampled for the miniature caches
+    (chain sampling), else empty.
     """
 
     kind: EventKind
     time: float
     request_id: str
     tag: str
-    cls: int
-    hit_blocks: int
-    queried_blocks: int
     hashes: tuple[tuple[int, Any], ...]
+    chain: tuple[tuple[int, Any], ...]
 
 
 class FinishedEvent(NamedTuple):
-    """A request released its blocks; ``outcome`` is what its reply did, if known."""
+    """A request released its blocks; ``request`` is what it was filed under (None: it held none)."""
 
     kind: EventKind
     time: float
     request_id: str
-    tag: str
-    outcome: str | None
-    num_blocks: int
+    request: Any
 
 
-Event = FreedEvent | BlockEvent | LookupEvent | FinishedEvent
+class TurnEvent(NamedTuple):
+    """A label for the turn-delay model: the conversation of a finished request
+    (``request``, its ``RequestTags``) came back after ``delay`` seconds, or
+    had not after ``exposure`` seconds (``delay`` None: censored)."""
+
+    kind: EventKind
+    time: float
+    request: Any
+    delay: float | None
+    exposure: float
+
+
+Event = FreedEvent | EvictedEvent | LookupEvent | FinishedEvent | TurnEvent
 
 
 def hash_sample_value(block_hash: Any) -> int:
@@ -113,6 +115,9 @@ class EventSink:
     capacity: int = 1 << 16
     sample_rate: float = 1.0
     lookup_hashes: str = "sampled"  # "all", "sampled" or "none"
+    # Share of conversations whose whole chain goes to the miniature caches
+    # (None: no chain sampling; they then use the hash-sampled blocks).
+    chain_rate: float | None = None
     emitted: int = 0
     dropped: int = 0
     _queue: deque = field(default_factory=deque, repr=False)
@@ -125,6 +130,9 @@ class EventSink:
         if self.lookup_hashes not in ("all", "sampled", "none"):
             raise ValueError(f"lookup_hashes must be all, sampled or none, got {self.lookup_hashes!r}")
         self._threshold = int(float(self.sample_rate) * (1 << 64))
+        if self.chain_rate is not None and not 0.0 < float(self.chain_rate) <= 1.0:
+            raise ValueError(f"chain_rate must be in (0, 1], got {self.chain_rate!r}")
+        self._chain_threshold = -1 if self.chain_rate is None else int(float(self.chain_rate) * (1 << 64))
 
     @property
     def samples_all(self) -> bool:
@@ -132,6 +140,10 @@ class EventSink:
 
     def is_sampled(self, block_hash: Any) -> bool:
         return self._threshold >= (1 << 64) or hash_sample_value(block_hash) < self._threshold
+
+    def chain_sampled(self, conversation: int) -> bool:
+        """Whether a conversation (a 64-bit key) is in the miniature caches' sample."""
+        return conversation < self._chain_threshold
 
     def emit(self, event: Event) -> bool:
         """Queue an event; never blocks.  Returns False if it was dropped."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.events import BlockEvent, EventKind, EventSink
+from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent
 from vllm_wa.params import ClassScorer, ParamsError, WAParams
-from vllm_wa.workload_classes import DEFAULT_CLASS, ClassRegistry
+from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
 Clock = Callable[[], float]
 _INF = math.inf
@@ -53,6 +53,10 @@ class _ActiveParams:
 @dataclass
 class QueueCounters:
     """Per-class totals of free-list transitions (all blocks, not sampled).
+
+    Each only grows (a retired class's totals start again at zero): they are
+    exported as Prometheus counters.  ``freed`` counts blocks freed into the
+    class and blocks re-filed into it by a late outcome.
 
     ``reused`` is counted by the block tagger at the prefix lookup, which
     knows the request; the queue's ``remove`` stays as cheap as vLLM's.
@@ -113,7 +117,7 @@ class WorkloadAwareFreeQueue:
         self.num_classes_cap = cap = self.registry.max_classes
         # Class a block is filed under when it is next freed (written by the
         # block tagger); for a free block, the class list it sits in.
-        self.block_class: list[int] = [self.registry.id_of(DEFAULT_CLASS)] * n_ids
+        self.block_class: list[int] = [DEFAULT_ID] * n_ids
         # Free stamp: when the block entered the free list.  Stamps increase
         # strictly from one appended run to the next, so ties between classes
         # break in insertion (LRU) order; blocks of one run share a stamp and
@@ -336,7 +340,7 @@ class WorkloadAwareFreeQueue:
             if b is tail or not k:
                 self._sel_dirty = True
             if k and self.sink is not None:
-                self._emit_evicted(out, start, c, now)
+                self._emit_evicted(out, start, now)
 
     def _head_keys(self, active: _ActiveParams, now: float) -> dict[int, tuple[float, float]]:
         """Exact (score, stamp) of every non-empty class's head at ``now``."""
@@ -374,16 +378,15 @@ class WorkloadAwareFreeQueue:
         self._sel_active = active
         self._sel_dirty = False
 
-    def _emit_evicted(self, out: list[KVCacheBlock], start: int, c: int, now: float) -> None:
+    def _emit_evicted(self, out: list[KVCacheBlock], start: int, now: float) -> None:
         sink = self.sink
         sampled = self.sampled
         all_ = sink.samples_all
-        stamp_of = self.stamp
         for i in range(start, len(out)):
             b = out[i]
             h = b._block_hash
             if h is not None and (all_ or sampled[b.block_id]):
-                sink.emit(BlockEvent(EventKind.EVICTED, now, c, now - stamp_of[b.block_id], h))
+                sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         """Free blocks in the order they would be evicted now (non-destructive)."""
@@ -467,13 +470,66 @@ class WorkloadAwareFreeQueue:
             prev.next_free_block = b
             after.prev_free_block = b
             cls_of[bid] = new_class
-            counters.freed[old] -= 1
-            counters.freed[new_class] += 1
+            counters.freed[new_class] += 1  # (never decreased: the metrics export counters)
             moved += 1
         if moved:
             counters.reclassified += moved
             self._sel_dirty = True
         return moved
+
+    def retire_idle_classes(self, now: float) -> list[int]:
+        """Give back the ids of classes unused for the registry's retire time.
+
+        Their free blocks join the ``default`` class (in free-stamp order, so
+        they are scored by the default model); held blocks still marked with
+        a retired id are re-marked, so a reused id never inherits them.
+        Runs on the engine thread, between calls; costs a pass over the
+        per-block class array when something retires (rarely).
+        """
+        retired = self.registry.retire_idle(now)
+        if not retired:
+            return retired
+        moved = 0
+        for c in retired:
+            moved += self._merge_into(c, DEFAULT_ID)
+            self._active._scorers.pop(c, None)
+            self.counters.freed[c] = self.counters.reused[c] = self.counters.evicted[c] = 0
+            if self._is_live[c]:
+                self._is_live[c] = 0
+                self._live.remove(c)
+        gone = set(retired)
+        self.block_class[:] = [DEFAULT_ID if c in gone else c for c in self.block_class]
+        if moved:
+            self.registry.touch(DEFAULT_ID, now)
+        self._sel_dirty = True
+        return retired
+
+    def _merge_into(self, src: int, dst: int) -> int:
+        """Move every block of list ``src`` into list ``dst``, keeping free-stamp order."""
+        head_s, tail_s = self._heads[src], self._tails[src]
+        moving = []
+        b = head_s.next_free_block
+        while b is not tail_s:
+            moving.append(b)
+            b = b.next_free_block
+        if not moving:
+            return 0
+        head_s.next_free_block = tail_s
+        tail_s.prev_free_block = head_s
+        stamp_of, cls_of = self.stamp, self.block_class
+        cur, tail = self._heads[dst], self._tails[dst]
+        if cur.next_free_block is tail:
+            self._went_live(dst)
+        for b in moving:
+            s = stamp_of[b.block_id]
+            nxt = cur.next_free_block
+            while nxt is not tail and stamp_of[nxt.block_id] <= s:
+                cur, nxt = nxt, nxt.next_free_block
+            b.prev_free_block, b.next_free_block = cur, nxt
+            cur.next_free_block = nxt.prev_free_block = b
+            cls_of[b.block_id] = dst
+            cur = b
+        return len(moving)
 
     def _in_nohash_list(self, block: KVCacheBlock) -> bool:
         b = block

@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_wa.engine_patch.block_tagger import BlockTagger, ClassKeyFunction, RequestTags
 from vllm_wa.engine_patch.compat import check_vllm_version
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.free_queue import Clock, WorkloadAwareFreeQueue
 from vllm_wa.params import WAParams
@@ -76,14 +77,19 @@ class WAHandle:
         extra = getattr(sp, "extra_args", None) if sp is not None else None
         raw = extra.get(TAG_KEY) if isinstance(extra, dict) else None
         outcome = None
+        reply_tokens = 0
         if finished:
             reason = request.get_finished_reason() if request.is_finished() else None
             if reason is not None:
                 outcome = _FINISH_REASON_OUTCOME.get(str(reason))
-        return self.tagger.request_tags(request.request_id, raw, outcome)
+            reply_tokens = request.num_output_tokens
+        return self.tagger.request_tags(request.request_id, raw, outcome, reply_tokens)
 
     def on_lookup(self, manager: Any, request: Any, result: Any) -> None:
-        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+        from vllm.v1.core.kv_cache_utils import (
+            make_block_hash_with_group_id,
+            resolve_block_hashes,
+        )
 
         blocks = result[0].blocks
         hits = blocks[0] if blocks else []
@@ -104,7 +110,7 @@ class WAHandle:
             self.tagger.forget(request.request_id)
             return
         tags = self.request_tags(request, finished=True)
-        self.tagger.on_free(tags, groups[0])
+        self.tagger.on_free(tags, groups[0], finished=request.is_finished())
         for extra_group in groups[1:]:
             self.tagger.file_blocks(tags, extra_group)
 
@@ -121,11 +127,14 @@ def install_wa_queue(
     sink: EventSink | None = None,
     registry: ClassRegistry | None = None,
     class_key: ClassKeyFunction | None = None,
+    conversations: ConversationTracker | None = None,
 ) -> WAHandle:
     """Replace ``block_pool``'s free queue by the workload-aware one (idempotent).
 
     Only the GPU-medium pool that the scheduler allocates from should be
-    passed; pools of other media (CPU offload) are refused.
+    passed; pools of other media (CPU offload) are refused.  With
+    ``conversations`` the tagger places each request in its conversation
+    (turn timing features).
     """
     check_vllm_version()
     from vllm.distributed.kv_events import MEDIUM_GPU
@@ -148,7 +157,7 @@ def install_wa_queue(
             sink=sink,
             num_block_ids=len(block_pool.blocks),
         )
-        tagger = BlockTagger(queue, block_pool.blocks, sink=sink, class_key=class_key)
+        tagger = BlockTagger(queue, block_pool.blocks, sink=sink, class_key=class_key, conversations=conversations)
         handle = WAHandle(block_pool, queue, tagger, sink)
         _install_manager_hooks()
         block_pool.free_block_queue = queue

@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_wa.replay.policies import ReplayPolicy
+from vllm_wa.replay.served import ServedEngine
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.sim.prefix_cache import SimPrefixCache
 
 ENGINES = ("fast", "vllm")
@@ -22,36 +24,6 @@ def _outcome(req: TraceRequest) -> str:
     # A finished request's engine-side outcome is "stop" unless the trace
     # says what its reply did (the API server reports tool calls).
     return req.outcome or "stop"
-
-
-def model_free_kv_cache_manager(num_blocks: int, block_size: int, max_model_len: int, **kwargs: Any) -> Any:
-    """vLLM's real ``KVCacheManager`` over one attention layer and no tensors.
-
-    Block bookkeeping needs no model and no device, as in vLLM's own
-    ``tests/v1/core``; prefix caching is on unless ``enable_caching=False``.
-    """
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
-            )
-        ],
-    )
-    kwargs.setdefault("enable_caching", True)
-    return KVCacheManager(
-        config,
-        max_model_len=max_model_len,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        **kwargs,
-    )
 
 
 class FastEngine:
@@ -80,7 +52,7 @@ class FastEngine:
     def release(self, req: TraceRequest) -> None:
         tagger = self.policy.tagger
         if tagger is not None:
-            info = tagger.request_tags(req.request_id, req.tag, _outcome(req))
+            info = tagger.request_tags(req.request_id, req.tag, _outcome(req), req.output_tokens)
         else:
             info = self.policy.request_info(req, finished=True)
         self.cache.release(req.request_id, self.clock.t, info)
@@ -91,7 +63,9 @@ class VLLMEngine:
 
     Every trace block becomes ``tokens_per_block`` token ids derived from its
     hash id, so vLLM's chained block hashing reproduces the trace's prefix
-    structure; the manager's block size is ``tokens_per_block``.
+    structure; the manager's block size is ``tokens_per_block``.  Nothing is
+    generated (the trace's next prompt carries a reply as blocks of its own),
+    so the engine hooks see replies of length 0.
     """
 
     def __init__(
@@ -181,5 +155,8 @@ def make_engine(kind: str, trace: Trace, policy: ReplayPolicy, num_blocks: int, 
     if kind == "fast":
         return FastEngine(trace, policy, num_blocks, clock)
     if kind == "vllm":
+        if trace.fmt == "served":
+            # What a benchmark server saw: its own tokens, block size and reply slots.
+            return ServedEngine(trace, policy, num_blocks, clock)
         return VLLMEngine(trace, policy, num_blocks, clock)
     raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINES}")

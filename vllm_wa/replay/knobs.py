@@ -7,6 +7,8 @@ warming on the first part of it and scored on the rest by the same rule as a
 sweep (``eval_start`` of the profile half); the best token hit rate wins.
 Optionally every candidate also replays the whole trace at that size, to
 report the hindsight-best setting on the evaluated half beside the chosen one.
+A trace measured from its first request (a served one) has no profile half:
+its peers keep their knobs' defaults.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def choose_settings(
 ) -> dict[str, KnobChoice]:
     """Choose each tunable peer's setting on the profile half; sets ``setup.peer_settings``."""
     tunable = [p for p in peers if p in PEERS and PEERS[p].knob is not None]
-    if not tunable:
+    if not tunable or setup.cfg.profile_fraction <= 0:
         return {}
     size = tuning_size(sizes)
     tasks = [Task(p, size, v) for p in tunable for v in PEERS[p].knob.values]

@@ -16,6 +16,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.block_tagger import BlockTagger
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.install import install_wa_queue
@@ -38,9 +39,11 @@ class OnlineWAPolicy(ReplayPolicy):
 
     def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:
-            def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
+            def install(
+                sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
+            ) -> tuple[Any, Any]:
                 self.queue = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=registry, sink=sink)
-                self.tagger = BlockTagger(self.queue, blocks, sink=sink, class_key=key)
+                self.tagger = BlockTagger(self.queue, blocks, sink=sink, class_key=key, conversations=conversations)
                 return self.queue, self.tagger
 
             self.controller = start_online(self.config, len(blocks), install, clock)
@@ -49,8 +52,12 @@ class OnlineWAPolicy(ReplayPolicy):
         return make
 
     def install_vllm(self, block_pool: Any, clock: SettableClock) -> None:
-        def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
-            h = install_wa_queue(block_pool, None, clock=clock, sink=sink, registry=registry, class_key=key)
+        def install(
+            sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
+        ) -> tuple[Any, Any]:
+            h = install_wa_queue(
+                block_pool, None, clock=clock, sink=sink, registry=registry, class_key=key, conversations=conversations
+            )
             self.queue, self.tagger = h.queue, h.tagger
             return h.queue, h.tagger
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.runner import RunResult
 
 
@@ -48,8 +49,8 @@ def _peer_notes(rs: Sequence[RunResult], choices: dict[str, Any] | None) -> list
         r = next(x for x in rs if x.policy == p)
         c = (choices or {}).get(p)
         text = f"  {p}: {r.extra['knob']}={r.extra['setting']:g}"
-        if c is None:
-            text += " (fixed)"
+        if c is None:  # not tuned: fixed by --peer-settings, or no profile half to tune on
+            text += " (default)" if r.extra["setting"] == PEERS[p].knob.default else " (fixed)"
         else:
             text += f"{c.unit}, chosen on the profile half at {c.cache_blocks} blocks"
             if c.hindsight_best is not None:

@@ -30,17 +30,13 @@ import gzip
 import heapq
 import json
 import math
-import os
 import random
-import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from vllm_wa.fileio import atomic_write, read_toml
+from vllm_wa.validation import check_number
 
 BLOCK_TOKENS = 16  # Bailian hash_ids are per 16-token block
 
@@ -120,8 +116,7 @@ class SynthConfig:
     @classmethod
     def from_toml(cls, path: str) -> SynthConfig:
         """Read a TOML config (see ``configs/synth-bailian-a.toml``)."""
-        with open(path, "rb") as f:
-            return cls.from_dict(tomllib.load(f))
+        return cls.from_dict(read_toml(path))
 
 
 # ---- Bailian trace A --------------------------------------------------------------------------
@@ -161,24 +156,10 @@ _DEFAULT_BY_NAME = {c.name: c for c in _BAILIAN_A_CLASSES}
 # ---- validation -------------------------------------------------------------------------------
 
 
-def _number(where: str, v: Any, *, gt: float | None = None, ge: float | None = None, le: float | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where} must be a number, got {v!r}")
-    if not math.isfinite(v):
-        raise ValueError(f"{where} must be finite, got {v!r}")
-    if gt is not None and not v > gt:
-        raise ValueError(f"{where} must be > {gt:g}, got {v!r}")
-    if ge is not None and not v >= ge:
-        raise ValueError(f"{where} must be >= {ge:g}, got {v!r}")
-    if le is not None and not v <= le:
-        raise ValueError(f"{where} must be <= {le:g}, got {v!r}")
-
-
 def _integer(where: str, v: Any, *, ge: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not isinstance(v, int):  # an integral float would be accepted by check_number
         raise ValueError(f"{where} must be an integer, got {v!r}")
-    if ge is not None and v < ge:
-        raise ValueError(f"{where} must be >= {ge}, got {v!r}")
+    check_number(where, v, ge=ge, integer=True)
 
 
 def _validate_class(c: SynthClass, where: str, max_input_tokens: int) -> None:
@@ -186,12 +167,12 @@ def _validate_class(c: SynthClass, where: str, max_input_tokens: int) -> None:
         raise ValueError(f"{where} must be a SynthClass, got {type(c).__name__}")
     if not isinstance(c.name, str) or not c.name:
         raise ValueError(f"{where}.name must be a non-empty string, got {c.name!r}")
-    _number(f"{where}.share", c.share, gt=0, le=1)
-    _number(f"{where}.turns_mean", c.turns_mean, ge=1)
+    check_number(f"{where}.share", c.share, gt=0, le=1)
+    check_number(f"{where}.turns_mean", c.turns_mean, ge=1)
     for key in ("first_prompt_tokens", "turn_input_tokens", "reply_tokens", "gap_median_s"):
-        _number(f"{where}.{key}", getattr(c, key), gt=0)
+        check_number(f"{where}.{key}", getattr(c, key), gt=0)
     for key in ("prompt_sigma", "reply_sigma", "gap_sigma", "zipf_exponent"):
-        _number(f"{where}.{key}", getattr(c, key), ge=0)
+        check_number(f"{where}.{key}", getattr(c, key), ge=0)
     _integer(f"{where}.system_prompts", c.system_prompts, ge=0)
     _integer(f"{where}.system_prompt_tokens", c.system_prompt_tokens, ge=0)
     if c.system_prompt_tokens >= max_input_tokens:
@@ -201,9 +182,9 @@ def _validate_class(c: SynthClass, where: str, max_input_tokens: int) -> None:
 
 
 def _validate(cfg: SynthConfig) -> None:
-    _number("duration_s", cfg.duration_s, gt=0)
-    _number("rate_per_s", cfg.rate_per_s, gt=0)
-    _number("warmup_s", cfg.warmup_s, ge=0)
+    check_number("duration_s", cfg.duration_s, gt=0)
+    check_number("rate_per_s", cfg.rate_per_s, gt=0)
+    check_number("warmup_s", cfg.warmup_s, ge=0)
     _integer("seed", cfg.seed)
     _integer("max_input_tokens", cfg.max_input_tokens, ge=1)
     if not isinstance(cfg.classes, tuple) or not cfg.classes:
@@ -349,21 +330,15 @@ def write_trace(config: SynthConfig, path: str) -> int:
     Written to a temporary file and renamed, so a failed run leaves no
     partial trace behind.  Returns the number of records.
     """
-    tmp = f"{path}.tmp{os.getpid()}"
     n = 0
-    try:
-        if path.endswith(".gz"):
-            f = gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6)
-        else:
-            f = open(tmp, "w", encoding="utf-8")
-        with f:
-            dumps = json.JSONEncoder(separators=(",", ":")).encode
-            for rec in generate(config):
-                f.write(dumps(rec))
-                f.write("\n")
-                n += 1
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    if path.endswith(".gz"):
+        out = atomic_write(path, "wt", opener=gzip.open, encoding="utf-8", compresslevel=6)
+    else:
+        out = atomic_write(path, "w", encoding="utf-8")
+    with out as f:
+        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        for rec in generate(config):
+            f.write(dumps(rec))
+            f.write("\n")
+            n += 1
     return n

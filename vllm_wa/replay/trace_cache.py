@@ -9,6 +9,7 @@ import pickle
 from dataclasses import asdict
 from typing import Any
 
+from vllm_wa.fileio import atomic_write
 from vllm_wa.replay.loaders import AgenticOptions, load_trace
 from vllm_wa.replay.trace import Trace
 
@@ -58,10 +59,8 @@ def load_trace_cached(
     trace = load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        tmp = file + f".tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with atomic_write(file, "wb") as f:
             pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, file)
     except OSError as e:
         logger.warning("could not write the trace cache %s: %s", file, e)
     return trace

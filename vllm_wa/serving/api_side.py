@@ -1,11 +1,9 @@
 """The API-server side of ``--wa-online``: ``/wa/params``, metrics, reply outcomes.
 
-* ``GET /wa/params`` returns every engine core's controller state;
-  ``PUT /wa/params`` pins parameters or returns to automatic mode (refused
-  unless ``--wa-allow-pin``; needs vLLM's API key when the server has one).
-  Both reach the engine cores through vLLM's utility-call channel.
-* A background task polls the engine cores and sets ``vllm_wa_*`` gauges in
-  this process, so they appear on vLLM's own ``/metrics``.
+* One background task fetches every engine core's state and metrics once per
+  interval (:mod:`vllm_wa.serving.snapshots`); ``GET /wa/params``
+  (:mod:`vllm_wa.serving.params_api`) and the ``vllm_wa_*`` metrics on
+  vLLM's own ``/metrics`` (:mod:`vllm_wa.serving.metrics`) read that copy.
 * Chat completions are watched for replies that called a tool; the outcome is
   reported to the engine cores so the request's freed blocks join the right
   class (the engine frees them a moment before the reply is parsed).
@@ -17,13 +15,12 @@ import asyncio
 import functools
 import json
 import logging
-import secrets
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-
+from vllm_wa.serving import metrics
+from vllm_wa.serving.params_api import make_router
 from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.snapshots import EngineSnapshots
 
 logger = logging.getLogger(__name__)
 _WRAPPED = "__vllm_wa_wrapped__"
@@ -37,133 +34,8 @@ async def call_engines(engine_client: Any, method: str, *args: Any) -> list[Any]
     return await engine_client.engine_core.call_utility_all_async(method, *args)
 
 
-# ---- /wa/params --------------------------------------------------------------------------------
-
-
-def _api_key_ok(request: Any) -> bool:
-    """The same rule and key source as vLLM's own authentication middleware."""
-    from vllm import envs
-
-    args = request.app.state.args
-    tokens = [k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k]
-    if not tokens:
-        return True
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and any(secrets.compare_digest(token, t) for t in tokens)
-
-
-def make_router(settings: ServingSettings) -> APIRouter:
-    # (FastAPI resolves the handlers' annotations from this module's globals.)
-    from vllm_wa.params import ParamsError
-    from vllm_wa.serving.engine_side import parse_pin_request
-
-    router = APIRouter()
-
-    @router.get("/wa/params")
-    async def get_params(raw_request: Request) -> JSONResponse:
-        engines = await call_engines(raw_request.app.state.engine_client, "wa_get_state")
-        return JSONResponse({"engines": engines})
-
-    @router.put("/wa/params")
-    async def put_params(raw_request: Request) -> JSONResponse:
-        if not _api_key_ok(raw_request):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        if not settings.allow_pin:
-            return JSONResponse(
-                {"error": "pinning parameters is disabled; start the server with --wa-allow-pin"},
-                status_code=403,
-            )
-        try:
-            body = await raw_request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            return JSONResponse({"error": "the body is not valid JSON"}, status_code=400)
-        try:
-            parse_pin_request(body)  # validate here: a bad body never reaches an engine
-        except (ParamsError, ValueError) as e:
-            return JSONResponse({"error": str(e)}, status_code=422)
-        results = await call_engines(raw_request.app.state.engine_client, "wa_set_params", body)
-        bad = [r for r in results if not r.get("ok")]
-        if bad:
-            return JSONResponse({"error": bad[0].get("error"), "engines": results}, status_code=bad[0].get("status", 500))
-        return JSONResponse({"engines": results})
-
-    return router
-
-
-# ---- metrics ---------------------------------------------------------------------------------------
-
-CLASS_GAUGES = {
-    "reuse_rate": ("vllm_wa_reuse_rate", "Fitted exponential reuse rate of the class (1/s)."),
-    "reuse_probability": ("vllm_wa_reuse_probability", "Fitted probability that a freed block of the class is reused."),
-    "hit_tokens": ("vllm_wa_prefix_cache_hit_tokens_total", "Prompt tokens that hit the prefix cache, by the request's workload tag."),
-    "queried_tokens": ("vllm_wa_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache, by the request's workload tag."),
-    "evictions": ("vllm_wa_evicted_blocks_total", "Cached blocks of the class evicted from the free queue."),
-    "reuses": ("vllm_wa_reused_blocks_total", "Free blocks of the class taken back by a prefix hit."),
-    "freed": ("vllm_wa_freed_blocks_total", "Blocks freed into the class."),
-}
-ENGINE_GAUGES = {
-    "params_version": ("vllm_wa_params_version", "Version of the parameters the queue runs."),
-    "swaps": ("vllm_wa_param_swaps_total", "Parameter swaps into the live queue."),
-    "refits": ("vllm_wa_refits_total", "Controller refits."),
-    "errors": ("vllm_wa_controller_errors_total", "Controller refits that failed (last good parameters kept)."),
-    "refit_seconds": ("vllm_wa_refit_duration_seconds", "Wall time of the last controller refit."),
-    "events_dropped": ("vllm_wa_events_dropped_total", "Engine events dropped because the event sink was full."),
-    "hook_errors": ("vllm_wa_hook_errors_total", "Errors caught in the engine hooks."),
-    "tags_invalid": ("vllm_wa_invalid_tags_total", "Requests whose workload tag was invalid."),
-    "tags_over_class_cap": ("vllm_wa_tags_over_class_cap_total", "Requests whose new tag exceeded the class cap."),
-    "num_classes": ("vllm_wa_classes", "Distinct classes in use."),
-}
-
-
-class WAMetrics:
-    """``vllm_wa_*`` gauges in the API server's registry (vLLM's /metrics)."""
-
-    def __init__(self) -> None:
-        from prometheus_client import Gauge
-
-        self.poll_failures = 0
-        self.per_class = {
-            k: Gauge(name, doc, ["engine", "class"], multiprocess_mode="mostrecent")
-            for k, (name, doc) in CLASS_GAUGES.items()
-        }
-        self.per_engine = {
-            k: Gauge(name, doc, ["engine"], multiprocess_mode="mostrecent")
-            for k, (name, doc) in ENGINE_GAUGES.items()
-        }
-
-    def update(self, results: list[dict[str, Any]]) -> None:
-        for r in results:
-            if not r.get("enabled"):
-                continue
-            eng = str(r.get("engine", 0))
-            for k, g in self.per_engine.items():
-                v = r.get(k)
-                if isinstance(v, (int, float)):
-                    g.labels(engine=eng).set(float(v))
-            for cls, vals in r.get("classes", {}).items():
-                for k, g in self.per_class.items():
-                    v = vals.get(k)
-                    if isinstance(v, (int, float)):
-                        g.labels(engine=eng, **{"class": cls}).set(float(v))
-
-
-_METRICS: WAMetrics | None = None
-
-
-async def _poll_metrics(engine_client: Any, interval: float) -> None:
-    global _METRICS
-    if _METRICS is None:
-        _METRICS = WAMetrics()
-    while True:
-        try:
-            _METRICS.update(await call_engines(engine_client, "wa_get_metrics"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - metrics must not take the server down
-            _METRICS.poll_failures += 1
-            log = logger.warning if _METRICS.poll_failures == 1 else logger.debug
-            log("vllm-wa metrics poll failed (%d so far): %r", _METRICS.poll_failures, e)
-        await asyncio.sleep(interval)
+# The engines' state as this API server last fetched it (routes and /metrics read it).
+_SNAPSHOTS: EngineSnapshots | None = None
 
 
 # ---- reply outcomes ------------------------------------------------------------------------------
@@ -181,6 +53,12 @@ class OutcomeReporter:
     def report(self, request_id: str, outcome: str) -> None:
         if len(self._pending) < 100_000:
             self._pending.append([request_id, outcome])
+
+    async def report_now(self, items: list[list[str]]) -> None:
+        """Send facts at once, not in the next batch: a benchmark outcome hint
+        must reach the engine before its request does (see ``outcome_hints``)."""
+        await call_engines(self.engine_client, "wa_report_outcomes", items)
+        self.reported += len(items)
 
     async def run(self) -> None:
         while True:
@@ -248,26 +126,29 @@ async def _watch_stream(stream: Any, reporter: OutcomeReporter) -> Any:
 # ---- installation --------------------------------------------------------------------------------
 
 
-def _wrap_attach(orig: Any, settings: ServingSettings) -> Any:
+def _wrap_attach(orig: Any, settings: ServingSettings, snapshots: EngineSnapshots) -> Any:
+    max_classes = settings.controller_config().max_classes
+
     @functools.wraps(orig)
     def attach_endpoint_plugins(app: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(app, *args, **kwargs)
-        app.include_router(make_router(settings))
+        app.include_router(make_router(settings, snapshots, max_classes))
         return out
 
     setattr(attach_endpoint_plugins, _WRAPPED, orig)
     return attach_endpoint_plugins
 
 
-def _wrap_init_state(orig: Any, settings: ServingSettings) -> Any:
+def _wrap_init_state(orig: Any, snapshots: EngineSnapshots) -> Any:
     @functools.wraps(orig)
     async def init_endpoint_plugins_state(engine_client: Any, state: Any, args: Any, *a: Any, **kw: Any) -> Any:
         global _REPORTER
         out = await orig(engine_client, state, args, *a, **kw)
         if engine_client is not None:
             _REPORTER = OutcomeReporter(engine_client)
+            snapshots.bind(functools.partial(call_engines, engine_client, "wa_get_snapshot"))
             state.vllm_wa_tasks = [
-                asyncio.create_task(_poll_metrics(engine_client, settings.metrics_interval_s)),
+                asyncio.create_task(snapshots.poll()),
                 asyncio.create_task(_REPORTER.run()),
             ]
         return out
@@ -278,13 +159,18 @@ def _wrap_init_state(orig: Any, settings: ServingSettings) -> Any:
 
 def install(settings: ServingSettings) -> None:
     """API-server patches (idempotent); only called when ``--wa-online`` is set."""
+    global _SNAPSHOTS
     import vllm.entrypoints.launchers.api_server.app_state as app_state
     import vllm.entrypoints.launchers.app as app_mod
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 
+    if _SNAPSHOTS is None:
+        _SNAPSHOTS = EngineSnapshots(settings.snapshot_max_age_s)
+        snapshots = _SNAPSHOTS
+        metrics.install(metrics.WACollector(lambda: snapshots.engines))
     if getattr(app_mod.attach_endpoint_plugins, _WRAPPED, None) is None:
-        app_mod.attach_endpoint_plugins = _wrap_attach(app_mod.attach_endpoint_plugins, settings)
+        app_mod.attach_endpoint_plugins = _wrap_attach(app_mod.attach_endpoint_plugins, settings, _SNAPSHOTS)
     if getattr(app_state.init_endpoint_plugins_state, _WRAPPED, None) is None:
-        app_state.init_endpoint_plugins_state = _wrap_init_state(app_state.init_endpoint_plugins_state, settings)
+        app_state.init_endpoint_plugins_state = _wrap_init_state(app_state.init_endpoint_plugins_state, _SNAPSHOTS)
     if getattr(OpenAIServingChat.create_chat_completion, _WRAPPED, None) is None:
         OpenAIServingChat.create_chat_completion = _wrap_chat(OpenAIServingChat.create_chat_completion)

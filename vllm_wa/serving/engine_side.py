@@ -18,11 +18,14 @@ from typing import Any
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
-from vllm_wa.controller.features import FEATURES, FeatureKey
+from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.block_tagger import OUTCOMES
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
-from vllm_wa.params import ParamsError, WAParams
+from vllm_wa.params import WAParams
+from vllm_wa.serving import faults
+from vllm_wa.serving.pin_request import PinRequestError, parse_pin_request
 from vllm_wa.serving.settings import ServingSettings
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -68,13 +71,16 @@ def _attach(sched: Any) -> None:
     pool = manager.block_pool
     handles: list[WAHandle] = []
 
-    def install(sink: EventSink, registry: ClassRegistry, key: FeatureKey) -> tuple[Any, Any]:
-        h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key)
+    def install(
+        sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
+    ) -> tuple[Any, Any]:
+        h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key, conversations=conversations)
         h.tagger.request_key = external_request_id
         handles.append(h)
         return h.queue, h.tagger
 
     controller = start_online(cfg, pool.num_gpu_blocks, install, prior=prior)
+    faults.install_from_env(controller)
     handle = handles[0]
     if cfg.checkpoint_path:
         controller.load_checkpoint(cfg.checkpoint_path)
@@ -141,9 +147,9 @@ def wa_set_params(self: Any, body: dict[str, Any]) -> dict[str, Any]:
     if not ewa.settings.allow_pin:
         return {"ok": False, "error": "pinning is disabled (start with --wa-allow-pin)", "status": 403}
     try:
-        params, features = parse_pin_request(body)
-    except (ParamsError, ValueError) as e:
-        return {"ok": False, "error": str(e), "status": 422}
+        params, features = parse_pin_request(body, max_classes=ewa.handle.registry.max_classes)
+    except PinRequestError as e:
+        return {"ok": False, "error": str(e), "status": e.status}
     if params is None:
         ewa.controller.unpin()
     else:
@@ -176,23 +182,34 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
     t = ewa.handle.tagger
     bs = ewa.block_size
     params = c.params
-    classes = {}
-    for cid in range(min(len(reg), q.num_classes_cap)):
+    # Rows only for names in use: no reserved name before it is used, no
+    # tag posing as a class, and no fitted values for a class the active
+    # parameters leave to the default model.
+    classes: dict[str, dict[str, Any]] = {}
+    for cid in reg.used_ids():
         name = reg.name_of(cid)
-        m = params.models.get(name)
-        classes[name] = {
-            "reuse_rate": m.a if m is not None else None,
-            "reuse_probability": m.p if m is not None else None,
-            "hit_tokens": t.hit_blocks_by_class[cid] * bs,
-            "queried_tokens": t.queried_blocks_by_class[cid] * bs,
+        row: dict[str, Any] = {
             "evictions": q.counters.evicted[cid],
             "reuses": q.counters.reused[cid],
             "freed": q.counters.freed[cid],
         }
+        m = params.models.get(name)
+        if m is not None:
+            row["reuse_rate"] = m.a
+            row["reuse_probability"] = m.p
+        classes[name] = row
+    tags = {
+        t.tags.name_of(tid): {
+            "hit_tokens": t.hit_blocks_by_tag[tid] * bs,
+            "queried_tokens": t.queried_blocks_by_tag[tid] * bs,
+        }
+        for tid in t.tags.used_ids()
+    }
     out = {
         "enabled": True,
         "engine": ewa.engine_index,
         "classes": classes,
+        "tags": tags,
         "params_version": c.version,
         "swaps": c.swaps,
         "refits": c.refits,
@@ -209,42 +226,36 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
     reg = ewa.handle.registry
     return {
         "events_dropped": ewa.controller.sink.dropped,
+        "checkpoint_errors": ewa.controller.checkpoint_failures.count,
         "hook_errors": ewa.handle.hook_errors,
         "tags_missing": t.tag_counters.missing,
         "tags_invalid": t.tag_counters.invalid,
-        "tags_over_class_cap": reg.counters.overflow,
+        "tags_over_class_cap": t.tag_counters.over_cap,
+        "releases_over_class_cap": t.releases_over_class_cap,
         "outcomes_reclassified": t.reclassified_requests,
         "invalid_outcome_reports": ewa.invalid_reports,
-        "num_classes": len(reg),
+        "num_classes": len(reg.used_ids()),
+        "num_tags": len(t.tags.used_ids()),
     }
 
 
-def parse_pin_request(body: Any) -> tuple[WAParams | None, tuple[str, ...] | None]:
-    """Validate a PUT /wa/params body; raises ``ParamsError``/``ValueError`` with the reason."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    unknown = set(body) - {"params", "features", "mode"}
-    if unknown:
-        raise ValueError(f"unknown field(s) {sorted(unknown)}; expected params, features or mode")
-    mode = body.get("mode", "pinned" if "params" in body else None)
-    if mode == "auto":
-        if "params" in body:
-            raise ValueError("mode 'auto' takes no params")
-        return None, None
-    if mode != "pinned":
-        raise ValueError("send {'params': {...}} to pin, or {'mode': 'auto'} to return to automatic mode")
-    params = WAParams.from_pr_json(body.get("params"))
-    features = body.get("features", ["tag"])
-    if not isinstance(features, list) or any(f not in FEATURES for f in features) or len(set(features)) != len(features):
-        raise ValueError(f"features must be a list of distinct names from {list(FEATURES)}")
-    return params, tuple(features)
+def wa_get_snapshot(self: Any) -> dict[str, Any]:
+    """State and metrics in one call: what the API server's poller fetches once per interval.
+
+    The controller state is the snapshot the last refit published (built on
+    the controller's thread), plus a few live counters; everything else is
+    bounded by the class caps, so the cost on the engine loop is small and
+    does not depend on how often clients read ``/wa/params``.
+    """
+    if _engine_wa(self) is None:
+        return {"enabled": False}
+    return {"enabled": True, "state": wa_get_state(self), "metrics": wa_get_metrics(self)}
 
 
 _UTILITIES = {
-    "wa_get_state": wa_get_state,
+    "wa_get_snapshot": wa_get_snapshot,
     "wa_set_params": wa_set_params,
     "wa_report_outcomes": wa_report_outcomes,
-    "wa_get_metrics": wa_get_metrics,
 }
 
 

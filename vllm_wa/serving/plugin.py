@@ -9,13 +9,16 @@ same queue, same routes, same metrics.  With ``--wa-online``:
   publishes the settings to the environment, and installs the routes, the
   metrics poller and the reply-outcome watcher;
 * in the engine core (spawned; it inherits the environment), it installs the
-  workload-aware queue and the online controller when the scheduler is built.
+  workload-aware queue and the online controller when the scheduler is built;
+* in vLLM's extra API-server processes (several API servers, data
+  parallelism), it installs the API-server side from the inherited settings.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 from typing import Any
 
 from vllm_wa.serving.settings import ServingSettings
@@ -25,13 +28,26 @@ _WRAPPED = "__vllm_wa_wrapped__"
 _cli_hooked = False
 
 
+# vLLM's name for the extra API-server processes (``--api-server-count``, which
+# data parallelism raises to the number of engines).
+_API_SERVER_PROCESS_PREFIX = "ApiServer"
+
+
 def register() -> None:
     """Entry point; cheap and idempotent (it runs in every vLLM process)."""
     _install_cli_options()
-    if ServingSettings.from_env().online:
+    settings = ServingSettings.from_env()
+    if settings.online:
         from vllm_wa.serving import engine_side
 
         engine_side.install()
+        if multiprocessing.current_process().name.startswith(_API_SERVER_PROCESS_PREFIX):
+            # An extra API server parses the arguments before it loads plugins,
+            # so enable_online() does not run there; the parent process checked
+            # the flags and exported the settings this process inherited.
+            from vllm_wa.serving import api_side
+
+            api_side.install(settings)
 
 
 def add_cli_options(parser: Any) -> None:
@@ -46,6 +62,12 @@ def add_cli_options(parser: Any) -> None:
                    help="Seed parameters in the PR #22236 JSON format ({'a': {...}, 'p': {...}}).")
     g.add_argument("--wa-allow-pin", action="store_true", default=False,
                    help="Allow PUT /wa/params to pin parameters (needs the API key when one is set).")
+    g.add_argument("--wa-bench-outcome-hints", action="store_true", default=False,
+                   help="BENCHMARK HOOK, not for production: let a request set how its reply ended "
+                   "(vllm_xargs.wa_outcome = tool|stop|length), as vllm-wa bench-serve does to replay a "
+                   "trace's outcomes with a model that calls no tools. Needs --wa-online.")
+    g.add_argument("--wa-public-params", action="store_true", default=False,
+                   help="Serve GET /wa/params without the API key (it lists every client's tag names).")
 
 
 def _install_cli_options() -> None:
@@ -76,6 +98,8 @@ def _install_cli_options() -> None:
         def from_cli_args(cls: Any, args: Any, *a: Any, **kw: Any) -> Any:
             if getattr(args, "wa_online", False):
                 enable_online(args)
+            elif getattr(args, "wa_bench_outcome_hints", False):
+                logger.warning("vllm-wa: --wa-bench-outcome-hints has no effect without --wa-online")
             return orig_from(cls, args, *a, **kw)
 
         setattr(from_cli_args, _WRAPPED, orig_from)
@@ -94,7 +118,9 @@ def enable_online(args: Any) -> ServingSettings:
     try:
         check_vllm_version()
         if getattr(args, "wa_config", None):
-            ControllerConfig.load(args.wa_config)
+            config = ControllerConfig.load(args.wa_config)
+            if config.seed_params:  # what the engine core would load 60 s later
+                WAParams.load(config.seed_params)
         if getattr(args, "wa_params", None):
             WAParams.load(args.wa_params)
     except (UnsupportedVLLMError, ConfigError, ParamsError) as e:
@@ -107,10 +133,16 @@ def enable_online(args: Any) -> ServingSettings:
         params_path=getattr(args, "wa_params", None),
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
         metrics_interval_s=ServingSettings.from_env().metrics_interval_s,
+        bench_outcome_hints=bool(getattr(args, "wa_bench_outcome_hints", False)),
+        public_params=bool(getattr(args, "wa_public_params", False)),
     )
     settings.export()
     from vllm_wa.serving import api_side
 
     api_side.install(settings)
+    if settings.bench_outcome_hints:
+        from vllm_wa.serving import outcome_hints
+
+        outcome_hints.install()
     logger.info("vllm-wa: --wa-online enabled (pinning %s)", "allowed" if settings.allow_pin else "disabled")
     return settings

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_wa.controller.config import ControllerConfig
 
 ENV_ONLINE = "VLLM_WA_ONLINE"
 ENV_CONFIG = "VLLM_WA_CONFIG"
 ENV_PARAMS = "VLLM_WA_PARAMS"
 ENV_ALLOW_PIN = "VLLM_WA_ALLOW_PIN"
 ENV_METRICS_INTERVAL = "VLLM_WA_METRICS_INTERVAL"
+ENV_BENCH_OUTCOME_HINTS = "VLLM_WA_BENCH_OUTCOME_HINTS"
+ENV_PUBLIC_PARAMS = "VLLM_WA_PUBLIC_PARAMS"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,9 @@ class ServingSettings:
     params_path: str | None = None
     allow_pin: bool = False
     metrics_interval_s: float = 5.0
+    bench_outcome_hints: bool = False
+    # GET /wa/params without the API key even when the server has one.
+    public_params: bool = False
 
     @classmethod
     def from_env(cls) -> ServingSettings:
@@ -39,7 +48,21 @@ class ServingSettings:
             params_path=os.environ.get(ENV_PARAMS) or None,
             allow_pin=os.environ.get(ENV_ALLOW_PIN) == "1",
             metrics_interval_s=interval if interval > 0 else 5.0,
+            bench_outcome_hints=os.environ.get(ENV_BENCH_OUTCOME_HINTS) == "1",
+            public_params=os.environ.get(ENV_PUBLIC_PARAMS) == "1",
         )
+
+    def controller_config(self) -> ControllerConfig:
+        """The controller config the engine cores run (validated at start-up)."""
+        from vllm_wa.controller.config import ControllerConfig
+
+        return ControllerConfig.load(self.config_path) if self.config_path else ControllerConfig()
+
+    @property
+    def snapshot_max_age_s(self) -> float:
+        """How old the API server's copy of the engines' state may get: one poll
+        interval, and never more than one refit interval."""
+        return min(self.metrics_interval_s, self.controller_config().refit_interval_s)
 
     def export(self) -> None:
         """Publish to this process's environment (inherited by the engine core)."""
@@ -51,3 +74,5 @@ class ServingSettings:
                 os.environ.pop(key, None)
         os.environ[ENV_ALLOW_PIN] = "1" if self.allow_pin else "0"
         os.environ[ENV_METRICS_INTERVAL] = str(self.metrics_interval_s)
+        os.environ[ENV_BENCH_OUTCOME_HINTS] = "1" if self.bench_outcome_hints else "0"
+        os.environ[ENV_PUBLIC_PARAMS] = "1" if self.public_params else "0"

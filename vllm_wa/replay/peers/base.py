@@ -30,14 +30,15 @@ class RequestHints:
     """What a peer may know about a request.
 
     ``input_tokens``, ``output_tokens`` and ``hashes`` are the engine's own
-    facts (``output_tokens`` only once the request finished). ``conversation``
+    facts (``output_tokens`` only once the request finished; ``hashes``: the
+    trace's block hash ids, or any hashable keys of blocks no prompt shares). ``conversation``
     and ``outcome`` are client hints: the conversation id (None when the trace
     has none) and, at release, whether the reply called a tool (None when the
     trace does not say).
     """
 
     request_id: str
-    hashes: Sequence[int]
+    hashes: Sequence[Any]
     input_tokens: int
     output_tokens: int | None = None
     conversation: int | None = None

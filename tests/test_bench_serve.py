@@ -1,0 +1,331 @@
+"""``vllm-wa bench-serve`` without a real server: prompts, slices, failures, the replay of what was served.
+
+The end-to-end agreement with a real ``vllm serve`` is in test_serving_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from array import array
+
+import pytest
+
+from fake_vllm_server import FakeConfig, FakeServer
+from vllm_wa.bench import report
+from vllm_wa.bench.client import BenchClient, ClientConfig
+from vllm_wa.bench.controller_scaling import time_scaled, to_toml
+from vllm_wa.bench.prom import parse_metrics
+from vllm_wa.bench.results import RunResult
+from vllm_wa.bench.server_info import BenchError
+from vllm_wa.bench.slicing import SliceSpec, reblock, slice_trace
+from vllm_wa.bench.workload import build_workload
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.replay.trace import Trace, TraceRequest
+from vllm_wa.sim.token_ids import block_token_ids, prompt_token_ids
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def req(rid, t, ids, conv=0, n_in=None, out=4, tag="tool", outcome="tool", service=None, bs=16):
+    ids = array("q", ids)
+    return TraceRequest(rid, t, ids, n_in or len(ids) * bs, out, tag, conv, outcome, service)
+
+
+def small_trace(n_conv=3, turns=4, bs=16, gap=1.0) -> Trace:
+    """Conversations whose every turn extends the previous prompt by two blocks."""
+    reqs = []
+    for c in range(n_conv):
+        ids: list[int] = []
+        for k in range(turns):
+            ids = ids + [1000 * (c + 1) + len(ids), 1000 * (c + 1) + len(ids) + 1]
+            reqs.append(req(f"c{c}t{k}", c * 0.1 + k * gap, ids, conv=c, bs=bs))
+    reqs.sort(key=lambda r: r.arrival)
+    return Trace("small", bs, reqs, "bailian")
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+
+def vllm_block_hashes(tokens: list[int], bs: int) -> list:
+    """vLLM's own chained block hashes of a prompt."""
+    from conftest import make_request
+
+    return list(make_request("x", tokens, block_size=bs).block_hashes)
+
+
+def test_prompt_tokens_reproduce_the_traces_prefix_sharing_in_vllms_hashes():
+    bs = 16
+    a = prompt_token_ids([1, 2, 3, 4], bs, 64)
+    b = prompt_token_ids([1, 2, 9, 4], bs, 60)  # shares two blocks, then differs (same later id, other prefix)
+    assert a == prompt_token_ids([1, 2, 3, 4], bs, 64)  # deterministic
+    assert len(b) == 60 and b[:48] == prompt_token_ids([1, 2, 9], bs, 48)
+    ha, hb = vllm_block_hashes(a, bs), vllm_block_hashes(b, bs)
+    assert ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert len(hb) == 3  # the partial last block is not hashed
+    assert all(16 <= t < 384 for t in a)  # inside the tiny model's vocabulary
+    assert block_token_ids(1, bs) != block_token_ids(2, bs)
+    with pytest.raises(ValueError, match="do not fill"):
+        prompt_token_ids([1, 2], bs, 40)
+
+
+# ---- slices -----------------------------------------------------------------------------------
+
+
+def shared_prefix(x, y) -> int:
+    n = 0
+    for a, b in zip(x, y):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def test_reblocking_keeps_which_prompts_share_which_tokens():
+    t = Trace("t", 64, [req("a", 0, [1, 2, 3], n_in=150, bs=64), req("b", 1, [1, 2, 7], n_in=192, bs=64)], "agentic")
+    split = reblock(t, 32)
+    a, b = split.requests
+    assert split.block_size == 32 and len(a.hash_ids) == 5 and len(b.hash_ids) == 6  # ceil(150/32), 192/32
+    assert shared_prefix(a.hash_ids, b.hash_ids) == 4  # the two shared 64-token blocks
+    merged = reblock(split, 64)
+    assert [len(r.hash_ids) for r in merged.requests] == [3, 3]
+    assert shared_prefix(*(r.hash_ids for r in merged.requests)) == 2
+    with pytest.raises(ValueError, match="neither divides"):
+        reblock(t, 48)
+
+
+def test_slice_truncates_prompts_and_keeps_the_first_conversations_and_seconds():
+    t = small_trace(n_conv=3, turns=4)
+    s = slice_trace(t, SliceSpec(max_prompt_blocks=4, conversations=2, duration=2.5))
+    assert {r.conversation for r in s.requests} == {0, 1}
+    assert max(r.arrival for r in s.requests) < t.start + 2.5
+    assert max(len(r.hash_ids) for r in s.requests) == 4
+    assert all(r.input_tokens == len(r.hash_ids) * 16 for r in s.requests)
+    assert any("truncated" in n for n in s.notes)
+    with pytest.raises(ValueError, match="positive"):
+        SliceSpec(max_prompt_blocks=0)
+
+
+def test_workload_think_times_caps_and_requests_that_do_not_fit():
+    t = Trace("w", 16, [
+        req("a", 10.0, [1, 2], out=100, service=2.0),
+        req("b", 20.0, [1, 2, 3], out=3),
+        req("c", 30.0, list(range(100, 400)), conv=1),  # 300 blocks: over max_model_len
+    ], "agentic")
+    w = build_workload(t, max_output_tokens=16, max_model_len=1024)
+    assert [r.trace_id for r in w.requests] == ["a", "b"]
+    assert w.excluded_too_long == 1 and any("left out" in n for n in w.notes)
+    a, b = w.requests
+    assert (a.arrival, a.max_tokens, b.max_tokens) == (0.0, 16, 3)
+    assert b.think == pytest.approx(20.0 - 10.0 - 2.0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        build_workload(t, 16, max_model_len=8)
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+
+def test_metrics_parsing_and_differences():
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 50.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0\n'
+        "# TYPE vllm:num_preemptions counter\n"
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="40"} 1.0\n'
+        "# TYPE vllm_wa_evicted_blocks_total gauge\n"
+        'vllm_wa_evicted_blocks_total{class="tool",engine="0"} 7.0\n'
+    )
+    a = parse_metrics(text)
+    assert (a.prefix_cache_queries, a.prefix_cache_hits, a.preemptions) == (150.0, 30.0, 2.0)
+    assert a.cache_config["block_size"] == "32"
+    b = parse_metrics(text.replace(" 30.0", " 45.0").replace(" 7.0", " 9.0"))
+    d = b.minus(a)
+    assert d["prefix_cache_hits"] == 15.0 and d["preemptions"] == 0.0
+    assert d["wa"] == {'vllm_wa_evicted_blocks_total{class="tool",engine="0"}': 2.0}
+
+
+# ---- the client against a stand-in server ------------------------------------------------------
+
+
+def run_client(url: str, trace: Trace, **kw) -> RunResult:
+    cfg = ClientConfig(url=url, time_scale=kw.pop("time_scale", 0.01), max_output_tokens=4, progress=False, **kw)
+    client = BenchClient(cfg, trace)
+    return asyncio.run(client.run())
+
+
+def test_client_sends_token_prompts_tags_hints_and_records_usage():
+    t = small_trace()
+    with FakeServer(FakeConfig()) as srv:
+        res = run_client(srv.url, t)
+        sent = srv.cfg.received
+    assert len(sent) == len(t.requests) and all(r.ok for r in res.requests)
+    body = sent[0]
+    assert body["ignore_eos"] and body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["vllm_xargs"] == {"type_info": "tool", "wa_outcome": "tool"}
+    by_conv: dict[int, list] = {}
+    for r in res.requests:
+        by_conv.setdefault(r.conversation, []).append(r)
+    for recs in by_conv.values():  # closed loop: a turn starts after the previous reply
+        assert all(b.sent >= a.done for a, b in zip(recs, recs[1:]))
+    s = report.summarize(res)
+    assert s["failed"] == 0 and s["cached_tokens"] == s["server"]["prefix_cache_hits"]
+    assert s["qttft_ms"]["p50"] == pytest.approx(1.5)
+
+
+def test_block_size_mismatch_is_refused_before_sending_anything():
+    with FakeServer(FakeConfig(block_size=32)) as srv:
+        with pytest.raises(BenchError, match="16-token blocks but the server .* uses 32-token blocks.*--reblock 32"):
+            run_client(srv.url, small_trace(bs=16))
+        assert srv.cfg.received == []
+
+
+def test_unreachable_server_and_refused_key_say_so():
+    with FakeServer(FakeConfig()) as srv:
+        url = srv.url
+    with pytest.raises(BenchError, match="cannot reach the server"):
+        run_client(url, small_trace())
+    with FakeServer(FakeConfig(api_key="right")) as srv:
+        with pytest.raises(BenchError, match="refused the API key"):
+            run_client(srv.url, small_trace(), api_key="wrong")
+        assert run_client(srv.url, small_trace(), api_key="right").requests
+
+
+def test_requests_failing_mid_run_are_counted_and_the_run_goes_on():
+    t = small_trace(n_conv=2, turns=4)
+    with FakeServer(FakeConfig(fail_http={2}, fail_stream={5})) as srv:
+        res = run_client(srv.url, t)
+    assert len(res.requests) == len(t.requests)  # every turn was still sent
+    failed = [r for r in res.requests if not r.ok]
+    assert len(failed) == 2
+    assert any("HTTP 500" in r.error for r in failed) and any("stream" in r.error for r in failed)
+    s = report.summarize(res)
+    assert s["failed"] == 2 and s["completed"] == len(t.requests) - 2
+
+
+def test_replay_of_what_the_server_saw(tmp_path):
+    """Two identical prompts in a row: the second hits all but its last block (vLLM recomputes it)."""
+    from vllm_wa.replay.loaders import load_trace
+    from vllm_wa.replay.runner import ReplayConfig, prepare, sweep
+    from vllm_wa.replay.served import replay_config
+
+    res = RunResult(label="x", url="u", trace="t", block_size=16, time_scale=1.0, max_output_tokens=4,
+                    server={"num_gpu_blocks": 20})
+    from vllm_wa.bench.results import RequestRecord
+
+    for i in range(2):
+        res.requests.append(RequestRecord(
+            index=i, request_id=f"r{i}", conversation=0, tag="tool", outcome_hint="tool", hash_ids=[1, 2, 3, 4],
+            input_tokens=64, max_tokens=4, planned=i, sent=float(i), first_token=i + 0.01, done=i + 0.02,
+            prompt_tokens=64, cached_tokens=48 * i, completion_tokens=4, finish_reason="length",
+            server_ttft_ms=5.0, server_queue_ms=1.0, server_generation_ms=5.0))
+    res.requests.append(RequestRecord(index=2, request_id="r2", conversation=1, tag="tool", outcome_hint=None,
+                                      hash_ids=[9], input_tokens=16, max_tokens=4, planned=3.0, sent=3.0,
+                                      error="HTTP 500: boom"))
+    path = str(tmp_path / "served.json")
+    res.write(path)
+    trace = load_trace(path)
+    assert trace.fmt == "served" and len(trace.requests) == 2 and "1 failed left out" in trace.notes[0]
+    r0 = trace.requests[0]
+    assert r0.arrival == pytest.approx(0.0 + 0.001 + 0.002) and r0.service_time == pytest.approx(0.010)
+    for policy in ("lru", "wa-online"):
+        [r] = sweep(prepare(trace, [policy], replay_config(ReplayConfig(engine="vllm"))), [policy], [20], jobs=1)
+        assert r.hit_tokens == 48 and r.prompt_tokens == 128 and r.overflow == 0
+
+
+def test_interrupted_run_writes_what_was_measured(tmp_path):
+    trace_path = tmp_path / "t.jsonl"
+    with open(trace_path, "w") as f:
+        for k in range(40):
+            f.write(json.dumps({"chat_id": k, "parent_chat_id": k - 1 if k else -1, "timestamp": k * 0.01,
+                                "input_length": 32, "output_length": 2, "type": "text", "turn": k + 1,
+                                "hash_ids": [7, 100 + k]}) + "\n")
+    out = tmp_path / "run.json"
+    with FakeServer(FakeConfig(delay_s=0.2)) as srv:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_wa.cli", "bench-serve", str(trace_path), "--url", srv.url,
+             "--json", str(out), "--label", "cut-short"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        deadline = time.monotonic() + 120
+        while len(srv.cfg.received) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    res = RunResult.read(str(out))
+    assert res.interrupted and res.label == "cut-short"
+    assert 3 <= len(res.requests) < 40
+    assert sum(r.ok for r in res.requests) >= 2
+    assert res.metrics_after  # the server's counters were read after the interruption
+    assert "run ended early" in output
+
+
+# ---- controller config and report helpers ---------------------------------------------------------
+
+
+def test_time_scaled_controller_config_round_trips(tmp_path):
+    cfg = time_scaled(ControllerConfig(), 0.05)
+    assert cfg.memory_s == pytest.approx(90.0) and cfg.refit_interval_s == 1.0
+    assert {c.horizon for c in cfg.candidates} == {h * 0.05 for h in {c.horizon for c in ControllerConfig().candidates}}
+    p = tmp_path / "c.toml"
+    p.write_text(to_toml(cfg))
+    assert ControllerConfig.load(str(p)) == cfg
+
+
+def test_candidate_seconds_from_the_controller_or_its_switches():
+    before = [{"engine": 0, "seconds_on_candidate": {"lru": 10.0, "wa": 0.0}}]
+    after = [{"engine": 0, "seconds_on_candidate": {"lru": 40.0, "wa": 30.0}}]
+    assert report.candidate_seconds(before, after) == ({"lru": 30.0, "wa": 30.0}, "seconds_on_candidate")
+    before = [{"engine": 0, "active_candidate": "lru", "last_refit": 100.0}]
+    after = [{"engine": 0, "active_candidate": "wa", "last_refit": 160.0,
+              "switches": [{"time": 50.0, "to": "lru"}, {"time": 120.0, "from": "lru", "to": "wa"}]}]
+    assert report.candidate_seconds(before, after) == ({"lru": 20.0, "wa": 40.0}, "switches")
+    assert report.percentile([1, 2, 3, 4], 50) == 2.5 and report.percentile([], 50) is None
+
+
+# ---- the make bench-serve driver --------------------------------------------------------------
+
+
+def write_bailian(path, n_conv=3, turns=4):
+    with open(path, "w") as f:
+        for c in range(n_conv):
+            ids: list[int] = []
+            for k in range(turns):
+                ids = ids + [1000 * (c + 1) + len(ids), 1000 * (c + 1) + len(ids) + 1]
+                f.write(json.dumps({"chat_id": 100 * c + k, "parent_chat_id": 100 * c + k - 1 if k else -1,
+                                    "timestamp": c + 10.0 * k, "input_length": 16 * len(ids), "output_length": 50,
+                                    "type": "text", "turn": k + 1, "hash_ids": ids}) + "\n")
+
+
+def test_suite_dry_run_plans_same_size_servers_and_refuses_caches_too_small(tmp_path, capsys):
+    from vllm_wa.bench import suite
+
+    trace = tmp_path / "t.jsonl"
+    write_bailian(trace)
+    common = ["--trace", str(trace), "--dry-run", "--out-dir", str(tmp_path / "out"), "--block-size", "32",
+              "--max-prompt-blocks", "3", "--max-output-tokens", "8"]
+    assert suite.main(common + ["--sizes", "50%,100%"]) == 0
+    out = capsys.readouterr().out
+    servers = [line for line in out.splitlines() if "] server:" in line]
+    assert len(servers) == 4  # lru and wa-online at each size
+    assert sum("--wa-online --wa-bench-outcome-hints --wa-config" in s for s in servers) == 2
+    assert all("--enforce-eager" in s and "--max-model-len 128 " in s for s in servers)  # 3 blocks + 8 tokens
+    assert "12 requests in 3 conversations" in out and "(dry run: nothing started)" in out
+    with pytest.raises(SystemExit, match="at least 5 blocks"):
+        suite.main(common + ["--sizes", "4"])
+    assert suite.main(["--trace", str(trace), "--dry-run", "--gpu", "--model", "/weights/m", "--sizes", "100%",
+                       "--out-dir", str(tmp_path / "gpu")]) == 0
+    out = capsys.readouterr().out
+    gpu = [line for line in out.splitlines() if "] server:" in line]
+    assert gpu and not any("--enforce-eager" in s or "VLLM_CPU" in s for s in gpu)
+    assert "time scale 1 " in out and "the shipped defaults" in out

@@ -1,0 +1,219 @@
+"""Controller checkpoints: any file content gives the prior, never a failed start; write failures are counted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_wa.controller.checkpoint import CheckpointError, parse_checkpoint, read_checkpoint
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.controller import WAController
+from vllm_wa.controller.survival import NUM_BINS
+from vllm_wa.engine_patch.block_tagger import RequestTags
+from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+
+
+def config(**kw) -> ControllerConfig:
+    base = dict(refit_interval_s=1.0, fit_interval_s=1.0, min_samples=5, tuner_min_requests=10, tuner_min_batches=2,
+                tuner_batch_s=1.0, tuner_window_s=60.0, tuner_demote_window_s=10.0,
+                initial="tag+outcome/hyper/posterior/L10")
+    base.update(kw)
+    return ControllerConfig(**base)
+
+
+def feed(sink: EventSink, t: float) -> float:
+    """Two tags whose blocks come back: enough for fitted classes."""
+    for r in range(8):
+        for c in range(4):
+            tag = "tool" if c % 2 else "human"
+            rid = f"{tag}-{c}-{r}"
+            hashes = tuple((j, (c, j)) for j in range(4 + r))
+            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ()))
+            t += 0.1
+            req = RequestTags(rid, tag, "stop")
+            for j, h in hashes:
+                sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, r))
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, rid, req))
+        t += 2.0
+    return t
+
+
+def controller(clock=lambda: 0.0, **kw) -> WAController:
+    return WAController(config(**kw), 200, lambda params, key: None, EventSink(capacity=100000), clock=clock)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A real checkpoint of a controller that learned something."""
+    clock = [0.0]
+    c = controller(lambda: clock[0])
+    clock[0] = feed(c.sink, 0.0)
+    c.refit()
+    c.refit()
+    path = tmp_path / "ckpt.json"
+    assert c.save_checkpoint(str(path))
+    return c, path, json.loads(path.read_text())
+
+
+def test_round_trip_restores_estimators_params_and_version(saved, tmp_path):
+    c, path, _ = saved
+    assert c.version >= 2
+    fresh = controller()
+    assert fresh.load_checkpoint(str(path))
+    assert len(fresh.estimators) == len(c.estimators)
+    assert fresh.params.models == c.params.models
+    # The parameter version continues where it stopped (defect 7's last part).
+    assert fresh.version == c.version and fresh.params.version == c.version
+
+
+FOLD = ["*"] * 4  # the timing features, folded
+
+
+def _class_entry(components, data=None):
+    return {"components": components, "data": data or {"events": [0.0] * NUM_BINS, "censored": [1.0] * NUM_BINS}}
+
+
+def _crafted(saved_data) -> list:
+    """Checkpoint contents an attacker or a broken disk may leave (issue 9, defect 1)."""
+    good = saved_data
+    deep = "[" * 200_000 + "]" * 200_000
+    return [
+        "{not json",
+        deep,
+        '{"version": 2, "classes": ' + deep + "}",
+        json.dumps({**good, "classes": [_class_entry([["x"], "stop", 0, 0, *FOLD])]}),  # unhashable tag
+        json.dumps({**good, "classes": [_class_entry([{"a": 1}, "stop", 0, 0, *FOLD])]}),
+        json.dumps({**good, "classes": [_class_entry({"a": 1, "b": 2, "c": 3, "d": 4})]}),  # 4 keys
+        json.dumps({**good, "classes": [_class_entry(["x" * 10_000, "stop", 0, 0, *FOLD])]}),  # oversized tag
+        json.dumps({**good, "classes": [_class_entry(["bad tag", "stop", 0, 0, *FOLD])]}),
+        json.dumps({**good, "classes": [_class_entry(["t", "exploded", 0, 0, *FOLD])]}),
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 99, 0, *FOLD])]}),
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, True, *FOLD])]}),
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, 0, *FOLD])] * 2}),  # duplicate class
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, 0, *FOLD], {"events": [1] * 3, "censored": []})]}),
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, 0, *FOLD], {"events": [[1]] * NUM_BINS,
+                                                                              "censored": [0] * NUM_BINS})]}),
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, 0, *FOLD], {"events": [-1] * NUM_BINS,
+                                                                              "censored": [0] * NUM_BINS})]}),
+        json.dumps({**good, "classes": [_class_entry([f"t{i}", "stop", 0, 0, *FOLD]) for i in range(5000)]}),
+        json.dumps({**good, "classes": {"not": "a list"}}),
+        json.dumps({**good, "active": ["unhashable"]}),
+        json.dumps({**good, "params": {"a": {"x": 1}, "p": {"x": 7}}}),
+        json.dumps({**good, "params": [1, 2]}),
+        json.dumps({**good, "version": 99}),
+        json.dumps({**good, "surprise": 1}),
+        json.dumps([1, 2, 3]),
+        json.dumps(None),
+        '{"version": 2, "classes": [], "params": {"a": {}, "p": {}, "L": NaN}}',
+    ]
+
+
+def test_crafted_checkpoints_give_the_prior_and_a_warning(saved, tmp_path, caplog):
+    _, path, data = saved
+    for i, content in enumerate(_crafted(data)):
+        path.write_text(content)
+        c = controller()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert c.load_checkpoint(str(path)) is False, i
+        assert "ignoring checkpoint" in caplog.text, i
+        assert c.params.source == "prior" and not c.estimators and c.version == 0, i
+
+
+def test_oversized_checkpoint_file_is_not_read(saved, monkeypatch):
+    from vllm_wa.controller import checkpoint
+
+    _, path, _ = saved
+    monkeypatch.setattr(checkpoint, "MAX_CHECKPOINT_BYTES", 100)
+    with pytest.raises(CheckpointError, match="bytes"):
+        read_checkpoint(str(path), max_classes=1024)
+
+
+def test_missing_checkpoint_is_a_cold_start_without_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert controller().load_checkpoint(str(tmp_path / "none.json")) is False
+    assert "checkpoint" not in caplog.text
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@given(
+    classes=st.lists(st.fixed_dictionaries({"components": _json, "data": _json}), max_size=4) | _json,
+    active=_json,
+    extra=st.dictionaries(st.sampled_from(["version", "params", "classes", "active"]), _json, max_size=2),
+)
+def test_any_json_content_is_parsed_or_refused_with_checkpoint_error(classes, active, extra):
+    data = {"version": 2, "active": active, "params": {"a": {}, "p": {}}, "classes": classes, **extra}
+    try:
+        ckpt = parse_checkpoint(data, max_classes=1024)
+    except CheckpointError:
+        return
+    for comps, _ in ckpt.classes:
+        hash(comps)
+        assert len(comps) == 8
+
+
+def test_engine_starts_with_a_crafted_checkpoint(saved, tmp_path, monkeypatch):
+    """The engine core's set-up (not just the controller) survives any checkpoint."""
+    from conftest import make_manager
+
+    from vllm_wa.serving import engine_side
+    from vllm_wa.serving.settings import ServingSettings
+
+    _, path, data = saved
+    path.write_text(json.dumps({**data, "classes": [_class_entry([["x"], "stop", 0, 0, *FOLD])]}))
+    cfg = tmp_path / "wa.toml"
+    cfg.write_text(f'[controller]\ncheckpoint_path = "{path}"\n')
+    monkeypatch.setattr(ServingSettings, "from_env", classmethod(lambda cls: ServingSettings(online=True, config_path=str(cfg))))
+    sched = SimpleNamespace(kv_cache_manager=make_manager(20))
+    engine_side._attach(sched)
+    ewa = sched._vllm_wa_engine
+    try:
+        assert ewa.controller.params.source == "prior"
+    finally:
+        ewa.stop()
+
+
+# ---- write failures (defect 3) ----------------------------------------------------------------
+
+
+def test_write_failures_are_counted_shown_and_warned_once_per_cause(tmp_path, caplog):
+    missing = tmp_path / "gone" / "wa.json"
+    clock = [0.0]
+    c = controller(lambda: clock[0], checkpoint_path=str(missing), checkpoint_interval_s=1.0)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            clock[0] += 2.0
+            c.refit()
+    assert c.errors == 0
+    assert c.checkpoint_failures.count == 3
+    st = c.state()
+    assert st["checkpoint_errors"] == 3 and "No such file" in st["last_checkpoint_error"]
+    assert caplog.text.count("cannot write checkpoint") == 1
+    # A different cause warns again, once.
+    (tmp_path / "gone").write_text("a file where the directory should be")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            clock[0] += 2.0
+            c.refit()
+    assert c.checkpoint_failures.count == 5
+    assert caplog.text.count("cannot write checkpoint") == 1
+    # Restored: written again, and the counter keeps its total.
+    os.unlink(tmp_path / "gone")
+    os.mkdir(tmp_path / "gone")
+    clock[0] += 2.0
+    c.refit()
+    assert missing.exists() and c.checkpoint_failures.count == 5
+    assert json.loads(missing.read_text())["version"] == 2

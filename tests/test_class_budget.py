@@ -1,0 +1,152 @@
+"""The class budget: tag counters count requests once; tags and eviction classes have
+separate bounded registries that retire unused names; reserved names stay reserved."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from conftest import finish, make_manager, make_request, run_prefill
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.controller import start_online
+from vllm_wa.controller.features import FeatureKey
+from vllm_wa.engine_patch.install import install_wa_queue
+from vllm_wa.workload_classes import ClassRegistry
+
+BS = 16
+
+
+def tokens(start: int, n_blocks: int, tail: int = 1) -> list[int]:
+    return list(range(start, start + n_blocks * BS + tail))
+
+
+def serve(m, rid, start, tag, n_blocks=2, status=RequestStatus.FINISHED_STOPPED, lookups=1):
+    r = make_request(rid, tokens(start, n_blocks), tag=tag)
+    for _ in range(lookups - 1):
+        m.get_computed_blocks(r)  # the scheduler looks a waiting request up again
+    run_prefill(m, r)
+    finish(m, r, status)
+    return r
+
+
+# ---- defect 4: each counter counts requests, once ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tag, counter",
+    [(None, "missing"), ("bad tag", "invalid"), (17, "invalid"), ("other", "invalid"), ("default", "invalid")],
+)
+def test_tag_counters_count_each_request_once(tag, counter, clock):
+    m = make_manager(40)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    serve(m, "r1", 0, tag, lookups=3)
+    serve(m, "r2", 1000, tag)
+    assert getattr(h.tagger.tag_counters, counter) == 2
+
+
+def test_over_cap_counts_each_request_once(clock):
+    m = make_manager(60)
+    reg = ClassRegistry(max_classes=5)  # default, invalid, other + 2
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg)
+    for i in range(4):
+        serve(m, f"r{i}", 1000 * i, f"t{i}", lookups=2)
+    assert h.tagger.tag_counters.over_cap == 2
+    serve(m, "again", 9000, "t3")
+    assert h.tagger.tag_counters.over_cap == 3
+
+
+def test_preempted_request_is_counted_once(clock):
+    m = make_manager(40)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    r = make_request("p", tokens(0, 2), tag="bad tag")
+    run_prefill(m, r)
+    m.free(r)  # preempted: released without finishing
+    r.num_computed_tokens = 0
+    run_prefill(m, r)
+    finish(m, r)
+    assert h.tagger.tag_counters.invalid == 1
+
+
+# ---- defect 5: the budget ----------------------------------------------------------------------
+
+
+def test_lookup_interns_nothing_and_tags_do_not_take_class_slots(clock):
+    m = make_manager(40)
+    h = install_wa_queue(m.block_pool, clock=clock, class_key=FeatureKey(("tag", "outcome")))
+    r = make_request("r", tokens(0, 2), tag="text_1")
+    m.get_computed_blocks(r)
+    assert h.registry.used_names() == []  # a lookup alone claims no eviction class
+    run_prefill(m, r)
+    finish(m, r)
+    assert h.registry.used_names() == ["text_1.o:stop"]
+    assert h.tagger.tags.used_names() == ["text_1"]
+
+
+def test_reserved_names_cannot_be_claimed_by_clients(clock):
+    m = make_manager(40)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    for i, tag in enumerate(["default", "other", "invalid", "default.o:stop"]):
+        serve(m, f"r{i}", 1000 * i, tag)
+    assert set(h.queue.free_blocks_by_class()) == {"invalid"}
+    assert h.tagger.tag_counters.invalid == 4
+
+
+def bailian_mix(m, controller_tagger):
+    """types text/search/image/file x turns 1-4, each with replies of both outcomes."""
+    i = 0
+    for typ in ("text", "search", "image", "file"):
+        for turn in range(1, 5):
+            for outcome in ("stop", "tool"):
+                rid = f"chatcmpl-{i}"
+                r = make_request(rid, tokens(10_000 * i, 1), tag=f"{typ}_{turn}")
+                run_prefill(m, r)
+                if outcome == "tool":
+                    controller_tagger.reclassify(rid, "tool")  # reported before the engine frees it
+                finish(m, r)
+                i += 1
+
+
+def test_bailian_mix_fits_under_the_default_cap_with_the_default_key():
+    m = make_manager(200)
+    handles = []
+
+    def install(sink, registry, key, conversations):
+        h = install_wa_queue(m.block_pool, None, sink=sink, registry=registry, class_key=key, conversations=conversations)
+        handles.append(h)
+        return h.queue, h.tagger
+
+    cfg = ControllerConfig(initial="tag+outcome/hyper/posterior/L10")  # the default candidates' key
+    start_online(cfg, 200, install)
+    h = handles[0]
+    bailian_mix(m, h.tagger)
+    classes = h.queue.free_blocks_by_class()
+    assert len(classes) == 32, classes
+    assert all(name.split(".")[0] not in ("other", "invalid") for name in classes)
+    assert h.tagger.tag_counters.over_cap == 0 and h.tagger.releases_over_class_cap == 0
+    assert len(h.tagger.tags.used_names()) == 16
+
+
+def test_unused_classes_and_tags_are_retired_and_their_blocks_refiled(clock):
+    m = make_manager(80)
+    reg = ClassRegistry(max_classes=8, retire_after_s=100.0)  # 5 slots past the reserved names
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg)
+    for i in range(8):  # a burst of junk tags fills both registries
+        serve(m, f"junk{i}", 1000 * i, f"junk_{i}")
+        clock.advance(1.0)
+    assert h.tagger.tag_counters.over_cap == 3
+    assert "other" in h.queue.free_blocks_by_class()
+    free_before = h.queue.num_free_blocks
+    clock.advance(150.0)
+    serve(m, "real", 50_000, "real_1")  # retires the idle names first, then gets a slot
+    assert h.tagger.tags.find("real_1") is not None
+    by_class = h.queue.free_blocks_by_class()
+    # The retired classes' blocks are now scored by the default; the overflow class stays.
+    assert by_class == {"default": 5 * 2, "other": 3 * 2, "real_1": 2}
+    assert h.queue.num_free_blocks == free_before
+    h.queue.check_invariants()
+    assert sorted(h.registry.used_names()) == ["default", "other", "real_1"]
+    assert sorted(h.tagger.tags.used_names()) == ["other", "real_1"]
+    # The eviction order still works over the merged lists.
+    big = make_request("big", tokens(90_000, 60), tag="real_1")
+    run_prefill(m, big)
+    h.queue.check_invariants()

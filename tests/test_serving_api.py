@@ -1,0 +1,227 @@
+"""/wa/params and the metrics collector over real engine-side objects (defects 2, 8 and 10 of issue 9)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from serving_harness import API_KEY, Engine, make_app
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.serving.metrics import WACollector
+from vllm_wa.serving.pin_request import MAX_PIN_BODY_BYTES
+from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.sim.clock import SettableClock
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SETTINGS = ServingSettings(online=True, allow_pin=True)
+
+
+def config(**kw) -> ControllerConfig:
+    return ControllerConfig(**{"refit_interval_s": 1.0, "fit_interval_s": 1.0, "min_samples": 2, "sample_rate": 1.0,
+                               "initial": "tag+outcome/hyper/posterior/L10", **kw})
+
+
+def traffic(engine: Engine, tags=("agent_1", "chat_1"), rounds: int = 3) -> None:
+    for r in range(rounds):
+        for i, tag in enumerate(tags):
+            prompt = list(range(1000 * i, 1000 * i + 16 * (3 + r) + 1))
+            engine.submit({"model": "m", "prompt": "x", "vllm_xargs": {"type_info": tag}}, prompt)
+            engine.clock.advance(0.5)
+
+
+@pytest.fixture
+def engine():
+    e = Engine(config(), SETTINGS)
+    traffic(e)
+    return e
+
+
+# ---- defect 2: GET from the published snapshot; pins bounded; GET follows the API key ------------
+
+
+def test_get_serves_the_cached_snapshot_without_engine_work_per_request(engine):
+    app, client, _ = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        for _ in range(50):
+            r = http.get("/wa/params", headers=AUTH)
+            assert r.status_code == 200
+    assert client.calls["wa_get_snapshot"] == 1  # one fetch for 50 reads
+    state = r.json()["engines"][0]
+    assert state["enabled"] and state["mode"] == "auto" and "tags_invalid" in state
+
+
+def test_get_copy_is_at_most_max_age_old(engine):
+    clock = SettableClock(0.0)
+    app, client, _ = make_app([engine], SETTINGS, max_age_s=2.0, clock=clock)
+    with TestClient(app) as http:
+        assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["refits"] == 0
+        engine.controller.refit()
+        clock.advance(1.0)
+        assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["refits"] == 0  # cached
+        clock.advance(1.5)
+        assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["refits"] == 1
+    assert client.calls["wa_get_snapshot"] == 2
+
+
+def test_get_needs_the_api_key_unless_opened(engine):
+    app, _, _ = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        assert http.get("/wa/params").status_code == 401
+        assert http.get("/wa/params", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert http.get("/wa/params", headers=AUTH).status_code == 200
+    open_app, _, _ = make_app([engine], ServingSettings(online=True, public_params=True))
+    with TestClient(open_app) as http:
+        assert http.get("/wa/params").status_code == 200
+    keyless, _, _ = make_app([engine], SETTINGS, api_key=None)
+    with TestClient(keyless) as http:
+        assert http.get("/wa/params").status_code == 200
+
+
+def test_pins_are_bounded_by_the_class_cap_and_the_body_size(engine):
+    app, client, _ = make_app([engine], SETTINGS)
+    cap = engine.handle.registry.max_classes
+    too_many = {"params": {"a": {f"c{i}": 0.1 for i in range(cap + 1)}, "p": {f"c{i}": 0.5 for i in range(cap + 1)}}}
+    huge = {"params": {"a": {"x": 0.1}, "p": {"x": 0.5}}, "features": ["tag"] + ["pad"] * MAX_PIN_BODY_BYTES}
+    with TestClient(app) as http:
+        r = http.put("/wa/params", json=too_many, headers=AUTH)
+        assert r.status_code == 422 and "class cap" in r.json()["error"]
+        r = http.put("/wa/params", content=json.dumps(huge), headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 413
+    assert client.calls["wa_set_params"] == 0
+    assert engine.controller.pinned is None
+
+
+def test_a_pin_shows_in_the_next_get(engine):
+    app, _, _ = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["mode"] == "auto"
+        r = http.put("/wa/params", json={"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["mode"] == "pinned"
+
+
+# ---- defect 8: PUT body handling -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, status, reason",
+    [
+        ("[" * 100_000 + "]" * 100_000, 400, "nested"),
+        (json.dumps({"params": {"a": {}, "p": {}, "mixture": {"x": [[[[[[[[[1]]]]]]]]]}}}), 400, "nested"),
+        ("{not json", 400, "JSON"),
+        (b"\xff\xfe{", 400, "JSON"),
+        (json.dumps({"params": {"a": {"x": 0.1}, "p": {"x": 0.5}, "bogus": 1}}), 422, "unknown key"),
+        (json.dumps({"params": {"a": {"bad name": 0.1}, "p": {"bad name": 0.5}}}), 422, "class name"),
+        (json.dumps({"params": {"a": {"x" * 200: 0.1}, "p": {"x" * 200: 0.5}}}), 422, "class name"),
+        (json.dumps({"params": {"a": {"x": 0.1}, "p": {"x": 0.5}, "mixture": {"y": [[0.5, 1]]}}}), 422, "mixture"),
+        (json.dumps({"params": {"a": {"x": 0.1}, "p": {"x": 0.5}}, "features": [["tag"]]}), 422, "features"),
+        (json.dumps({"params": {"a": {"x": 10 ** 400}, "p": {"x": 0.5}}}), 422, "finite"),
+    ],
+)
+def test_bad_put_bodies_get_a_4xx_with_the_reason(engine, raw, status, reason):
+    app, client, _ = make_app([engine], SETTINGS)
+    with TestClient(app, raise_server_exceptions=True) as http:
+        r = http.put("/wa/params", content=raw, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    assert reason in r.json()["error"]
+    assert client.calls["wa_set_params"] == 0 and engine.controller.pinned is None
+
+
+@pytest.mark.parametrize("token", ["tëst-secret", "тест", "test-secret\u00a0", "Bearer\u2028x"])
+def test_non_ascii_bearer_tokens_get_401(engine, token):
+    app, _, _ = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        headers = {"Authorization": f"Bearer {token}".encode(), "Content-Type": "application/json"}
+        r = http.put("/wa/params", content=b'{"mode": "auto"}', headers=headers)
+        assert r.status_code == 401
+        assert http.get("/wa/params", headers={"Authorization": f"Bearer {token}".encode()}).status_code == 401
+
+
+def test_keys_are_checked_by_vllms_own_middleware(engine, monkeypatch):
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    seen = []
+    orig = AuthenticationMiddleware.verify_token
+    monkeypatch.setattr(AuthenticationMiddleware, "verify_token", lambda self, h: seen.append(1) or orig(self, h))
+    app, _, _ = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        assert http.get("/wa/params", headers=AUTH).status_code == 200
+    assert seen
+
+
+# ---- defect 10: a custom collector; counters are counters; no stale series -----------------------
+
+
+def scrape(snapshots) -> dict:
+    reg = CollectorRegistry()
+    reg.register(WACollector(lambda: snapshots.engines))
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+
+
+def samples(fam, **labels):
+    return [s for s in fam.samples if all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def test_engine_totals_are_counters_and_labels_are_bounded(engine):
+    app, _, snapshots = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        http.get("/wa/params", headers=AUTH)
+    fams = scrape(snapshots)
+    for name in ("vllm_wa_param_swaps", "vllm_wa_refits", "vllm_wa_controller_errors", "vllm_wa_checkpoint_errors",
+                 "vllm_wa_events_dropped", "vllm_wa_invalid_tags", "vllm_wa_evicted_blocks", "vllm_wa_freed_blocks",
+                 "vllm_wa_prefix_cache_hit_tokens", "vllm_wa_prefix_cache_queried_tokens"):
+        assert fams[name].type == "counter", name
+        assert all(s.name == name + "_total" for s in fams[name].samples if not s.name.endswith("_created"))
+    assert fams["vllm_wa_params_version"].type == "gauge"
+    tags = {s.labels["tag"] for s in fams["vllm_wa_prefix_cache_queried_tokens"].samples}
+    classes = {s.labels["class"] for s in fams["vllm_wa_freed_blocks"].samples}
+    assert tags == {"agent_1", "chat_1"}
+    assert classes == {"agent_1.o:stop", "chat_1.o:stop"}  # no tag rows, no unused reserved rows
+
+
+def test_reuse_series_disappear_when_a_class_falls_back_to_the_default(engine):
+    app, _, snapshots = make_app([engine], SETTINGS)
+    pin = {"params": {"a": {"agent_1": 0.2, "chat_1": 0.01}, "p": {"agent_1": 0.9, "chat_1": 0.5}}, "features": ["tag"]}
+    with TestClient(app) as http:
+        assert http.put("/wa/params", json=pin, headers=AUTH).status_code == 200
+        traffic(engine)  # blocks freed under the tag key
+        snapshots.engines = None
+        http.get("/wa/params", headers=AUTH)
+        assert samples(scrape(snapshots)["vllm_wa_reuse_rate"], **{"class": "agent_1"})
+        only_chat = {"params": {"a": {"chat_1": 0.01}, "p": {"chat_1": 0.5}}, "features": ["tag"]}
+        assert http.put("/wa/params", json=only_chat, headers=AUTH).status_code == 200
+    fams = scrape(snapshots)
+    assert not samples(fams["vllm_wa_reuse_rate"], **{"class": "agent_1"})
+    assert not samples(fams["vllm_wa_reuse_probability"], **{"class": "agent_1"})
+    assert samples(fams["vllm_wa_reuse_rate"], **{"class": "chat_1"})
+    assert samples(fams["vllm_wa_freed_blocks"], **{"class": "agent_1"})  # the class itself is still in use
+
+
+def test_collector_appears_in_vllms_multiprocess_registry(engine, tmp_path, monkeypatch):
+    import vllm.entrypoints.serve.instrumentator.metrics as vllm_metrics
+    from prometheus_client import REGISTRY, multiprocess
+
+    from vllm_wa.serving import metrics
+
+    app, _, snapshots = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        http.get("/wa/params", headers=AUTH)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(multiprocess.MultiProcessCollector, "__init__", multiprocess.MultiProcessCollector.__init__)
+    collector = WACollector(lambda: snapshots.engines)
+    try:
+        metrics.install(collector)
+        metrics.install(collector)  # idempotent
+        # vLLM's registry for /metrics, and the one its instrumentator builds per scrape.
+        per_scrape = CollectorRegistry()
+        multiprocess.MultiProcessCollector(per_scrape)
+        for registry in (vllm_metrics.get_prometheus_registry(), per_scrape):
+            assert registry is not REGISTRY
+            text = generate_latest(registry).decode()
+            assert text.count('vllm_wa_freed_blocks_total{class="agent_1.o:stop",engine="0"}') == 1
+    finally:
+        REGISTRY.unregister(collector)

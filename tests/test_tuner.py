@@ -1,0 +1,178 @@
+"""The tuner: paired evidence, promotion by a bound that holds at every look, fast demotion;
+and the controller as the one owner of the live parameters."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.controller import WAController
+from vllm_wa.controller.tuner import LRU, PairedHits, Tuner, TunerSettings, sequential_z
+from vllm_wa.engine_patch.events import EventSink
+from vllm_wa.params import ReuseModel, WAParams, params_changed
+
+WA = "wa"
+SETTINGS = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=200, min_batches=6)
+
+
+def stream(tuner: Tuner, rng: random.Random, t0: float, t1: float, p_lru: float, p_wa: float, rate: float = 2.0):
+    """Sampled requests at ``rate``/s, 8 sampled blocks each; each block hits
+    in LRU's cache w.p. ``p_lru`` and in WA's w.p. ``p_wa`` (paired: one draw)."""
+    t = t0
+    while t < t1:
+        u = [rng.random() for _ in range(8)]
+        tuner.record(t, 8, [sum(x < p_lru for x in u), sum(x < p_wa for x in u)])
+        t += 1.0 / rate
+
+
+def run(tuner: Tuner, rng: random.Random, t0: float, t1: float, p_lru: float, p_wa: float, refit_s: float = 5.0):
+    t = t0
+    while t < t1:
+        stream(tuner, rng, t, t + refit_s, p_lru, p_wa)
+        t += refit_s
+        tuner.decide(t)
+
+
+def test_starts_on_lru_and_a_young_window_never_promotes():
+    tuner = Tuner([LRU, WA], SETTINGS)
+    assert tuner.active == LRU
+    rng = random.Random(0)
+    # A large early lead, but fewer batches than min_batches: no promotion.
+    run(tuner, rng, 0.0, 5 * 30.0, 0.30, 0.60)
+    assert tuner.active == LRU and tuner.promotions == 0
+    run(tuner, rng, 150.0, 400.0, 0.30, 0.60)
+    assert tuner.active == WA and tuner.promotions == 1
+    sw = tuner.switches[-1]
+    assert sw.reason == "promote" and sw.lower_bound > SETTINGS.margin and sw.requests >= 200
+
+
+def test_a_lead_within_noise_never_promotes():
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(1)
+    # The same hit probability: any lead is noise, over two hours of refits.
+    run(tuner, rng, 0.0, 7200.0, 0.40, 0.40)
+    assert tuner.promotions == 0 and tuner.active == LRU
+
+
+def test_a_small_true_lead_below_the_margin_never_promotes():
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(2)
+    run(tuner, rng, 0.0, 3600.0, 0.400, 0.402)  # +0.2 points < 0.3-point margin
+    assert tuner.promotions == 0
+
+
+def test_leads_early_loses_later_back_on_lru_within_the_demotion_window():
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(3)
+    run(tuner, rng, 0.0, 1200.0, 0.30, 0.40)
+    assert tuner.active == WA
+    crossover = 1200.0
+    t = crossover
+    while tuner.active == WA and t < crossover + 3600:
+        stream(tuner, rng, t, t + 5.0, 0.40, 0.30)
+        t += 5.0
+        tuner.decide(t)
+    assert tuner.active == LRU and tuner.demotions == 1
+    # Deadline: within the demotion window after the crossover.
+    assert t - crossover <= SETTINGS.demote_window_s
+    assert tuner.switches[-1].reason == "demote"
+    # The demoted candidate's early lead no longer counts: it stays demoted.
+    run(tuner, rng, t, t + 600.0, 0.40, 0.30)
+    assert tuner.active == LRU
+
+
+def test_seconds_on_each_candidate_add_up():
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(4)
+    run(tuner, rng, 0.0, 1800.0, 0.3, 0.5)
+    st = tuner.state(1800.0)
+    on = st["seconds_on_candidate"]
+    assert on[LRU] > 0 and on[WA] > 0
+    assert on[LRU] + on[WA] == pytest.approx(1800.0 - 5.0)
+    assert st["switches"][0]["to"] == WA
+
+
+def test_paired_comparison_and_its_standard_error():
+    hits = PairedHits(["a", "b"], batch_s=10.0, keep_s=100.0)
+    rng = random.Random(5)
+    for i in range(2000):
+        t = i * 0.05
+        u = [rng.random() for _ in range(4)]
+        hits.add(t, 4, [sum(x < 0.6 for x in u), sum(x < 0.5 for x in u)])
+    cmp = hits.compare("a", "b", since=0.0)
+    assert cmp.batches == 10 and cmp.requests == 2000
+    assert cmp.lead == pytest.approx(0.1, abs=0.02)
+    assert 0.0 < cmp.stderr < 0.02
+    # Only the kept window counts.
+    assert hits.compare("a", "b", since=50.0).batches == 5
+
+
+def test_sequential_bound_is_stricter_than_a_fixed_z_and_shrinks_with_evidence():
+    assert sequential_z(6, 0.95, 6) > 1.645
+    assert sequential_z(30, 0.95, 6) < sequential_z(6, 0.95, 6)
+
+
+# ---- the controller owns the live parameters ----------------------------------------------------
+
+
+class Applied:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __call__(self, params, key) -> None:
+        self.calls.append((params, key))
+
+
+def test_pin_cannot_be_overwritten_by_a_concurrent_refit(monkeypatch):
+    """A refit reads the pin state, then a pin lands, then the refit applies:
+    without one owner the refit's stale parameters would replace the pin."""
+    applied = Applied()
+    c = WAController(ControllerConfig(), 200, applied, EventSink(), clock=lambda: 1.0)
+    c.refit()
+    read_pin_state = threading.Event()
+    pin_returned = threading.Event()
+    orig = c._target
+
+    def target_then_wait():
+        out = orig()
+        read_pin_state.set()
+        pin_returned.wait(timeout=1.0)  # let a pin race in here, if it can
+        return out
+
+    monkeypatch.setattr(c, "_target", target_then_wait)
+    refit = threading.Thread(target=lambda: c._swap(2.0) and None)
+    refit.start()
+    assert read_pin_state.wait(5.0)
+    monkeypatch.setattr(c, "_target", orig)
+    pinned = WAParams.from_pr_json({"a": {"x": 0.5}, "p": {"x": 0.5}})
+    pinner = threading.Thread(target=lambda: (c.pin(pinned, ("tag",)), pin_returned.set()))
+    pinner.start()
+    pinner.join(5.0)
+    refit.join(5.0)
+    assert c.pinned is not None
+    assert applied.calls[-1][0].models == pinned.models  # the pin is what the queue runs
+    assert c.params.models == pinned.models and c.params.source == "pinned"
+    versions = [p.version for p, _ in applied.calls]
+    assert versions == sorted(set(versions))  # one owner: versions strictly increase
+
+
+def test_refits_without_change_do_not_swap():
+    applied = Applied()
+    c = WAController(ControllerConfig(), 200, applied, EventSink(), clock=lambda: 1.0)
+    for _ in range(10):
+        c.refit()
+    assert c.refits == 10 and c.swaps == 1 and c.version == 1 and len(applied.calls) == 1
+
+
+def test_params_changed_tolerance():
+    base = WAParams(models={"a": ReuseModel.exponential(0.5, 0.1)})
+    near = WAParams(models={"a": ReuseModel.exponential(0.503, 0.1)})
+    far = WAParams(models={"a": ReuseModel.exponential(0.52, 0.1)})
+    assert not params_changed(base, near, 0.01)
+    assert params_changed(base, far, 0.01)
+    assert params_changed(base, WAParams(models={"b": ReuseModel.exponential(0.5, 0.1)}), 0.01)
+    assert params_changed(base, base.evolve(horizon=20.0), 0.01)
+    assert params_changed(base, base.evolve(mode="posterior"), 0.01)

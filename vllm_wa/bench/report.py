@@ -1,0 +1,212 @@
+"""Summaries, the side-by-side table and the plot of benchmark runs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_wa.bench.prom import MetricsSnapshot
+from vllm_wa.bench.results import RunResult
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def distribution(xs: Sequence[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {f"p{q}": percentile(xs, q) for q in PERCENTILES}
+    out["mean"] = sum(xs) / len(xs) if xs else None
+    out["n"] = len(xs)
+    return out
+
+
+def candidate_seconds(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None) -> tuple[dict[str, float], str]:
+    """Seconds each controller candidate ran during the run, summed over engines, and how they were found.
+
+    Read from ``seconds_on_candidate`` in ``GET /wa/params`` (a running total
+    per engine); without it, derived from the ``switches`` log and the active
+    candidate before and after.
+    """
+    if not after:
+        return {}, "none"
+    before = before or []
+    by_engine = {e.get("engine", i): e for i, e in enumerate(before)}
+    total: Counter[str] = Counter()
+    source = "seconds_on_candidate"
+    for i, e in enumerate(after):
+        b = by_engine.get(e.get("engine", i), {})
+        now = e.get("seconds_on_candidate")
+        if isinstance(now, dict):
+            was = b.get("seconds_on_candidate") or {}
+            for name, v in now.items():
+                total[name] += max(0.0, float(v) - float(was.get(name, 0.0)))
+            continue
+        source = "switches"
+        t_start, t_end = b.get("last_refit"), e.get("last_refit")
+        active = b.get("active_candidate") or e.get("active_candidate") or "?"
+        if t_start is None or t_end is None:
+            continue
+        t = float(t_start)
+        for sw in e.get("switches") or []:
+            ts = float(sw.get("time", t))
+            if ts <= t_start:
+                continue
+            total[active] += ts - t
+            t, active = ts, sw.get("to", active)
+        total[active] += max(0.0, float(t_end) - t)
+    return dict(total), source
+
+
+def summarize(res: RunResult) -> dict[str, Any]:
+    recs = res.requests
+    ok = [r for r in recs if r.ok]
+    failed = [r for r in recs if not r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    before = MetricsSnapshot.from_json(res.metrics_before) if res.metrics_before else None
+    after = MetricsSnapshot.from_json(res.metrics_after) if res.metrics_after else None
+    server = after.minus(before) if before and after else {}
+    secs, secs_source = candidate_seconds(res.wa_before, res.wa_after)
+    on_total = sum(secs.values())
+    errors = Counter((r.error or "no reply")[:80] for r in failed)
+    wall = res.wall_s or 0.0
+    return {
+        "label": res.label,
+        "cache_blocks": (res.server or {}).get("num_gpu_blocks"),
+        "requests": len(recs),
+        "completed": len(ok),
+        "failed": len(failed),
+        "errors": dict(errors.most_common(5)),
+        "excluded_too_long": res.excluded_too_long,
+        "interrupted": res.interrupted,
+        "stop_reason": res.stop_reason,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_tokens_reported": sum(1 for r in ok if r.cached_tokens is not None),
+        "token_hit_rate": cached / prompt if prompt else None,
+        "server": server,
+        "server_token_hit_rate": (
+            server["prefix_cache_hits"] / server["prefix_cache_queries"] if server.get("prefix_cache_queries") else None
+        ),
+        "ttft_ms": distribution([r.server_ttft_ms for r in ok if r.server_ttft_ms is not None]),
+        "qttft_ms": distribution([q for r in ok if (q := r.qttft_ms) is not None]),
+        "client_ttft_ms": distribution([1000 * t for r in ok if (t := r.client_ttft_s) is not None]),
+        "e2e_ms": distribution([1000 * t for r in ok if (t := r.e2e_s) is not None]),
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall if wall else None,
+        "output_tokens_per_s": sum(r.completion_tokens or 0 for r in ok) / wall if wall else None,
+        "prompt_tokens_per_s": prompt / wall if wall else None,
+        "candidate_seconds": secs,
+        "candidate_seconds_source": secs_source,
+        "wa_share": (on_total - secs.get("lru", 0.0)) / on_total if on_total else None,
+    }
+
+
+def _fmt(v: Any, spec: str = ".1f", scale: float = 1.0) -> str:
+    if v is None:
+        return "-"
+    return format(v * scale, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def format_table(summaries: Sequence[dict[str, Any]], baseline: str = "lru") -> str:
+    """Runs side by side, one column each; a ratio column per non-baseline run of the same cache size."""
+    cols = list(summaries)
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(name: str, fn) -> None:
+        rows.append((name, [fn(s) for s in cols]))
+
+    row("cache blocks", lambda s: str(s["cache_blocks"]))
+    row("requests (failed)", lambda s: f"{s['completed']} ({s['failed']})")
+    row("token hit rate %", lambda s: _fmt(s["token_hit_rate"], ".2f", 100))
+    row("  server counter %", lambda s: _fmt(s["server_token_hit_rate"], ".2f", 100))
+    for key, name in (("ttft_ms", "TTFT ms"), ("qttft_ms", "QTTFT ms")):
+        for p in ("p50", "p90", "p99", "mean"):
+            row(f"{name} {p}", lambda s, key=key, p=p: _fmt(s[key][p], ".1f"))
+    row("client TTFT ms p50", lambda s: _fmt(s["client_ttft_ms"]["p50"], ".1f"))
+    row("throughput req/s", lambda s: _fmt(s["requests_per_s"], ".2f"))
+    row("output tok/s", lambda s: _fmt(s["output_tokens_per_s"], ".1f"))
+    row("preemptions", lambda s: _fmt((s["server"] or {}).get("preemptions"), ".0f"))
+    row("time on a WA candidate %", lambda s: _fmt(s["wa_share"], ".1f", 100))
+    width = max(12, *(len(s["label"]) + 2 for s in cols))
+    head = f"{'':<26}" + "".join(f"{s['label']:>{width}}" for s in cols)
+    lines = [head]
+    for name, cells in rows:
+        lines.append(f"{name:<26}" + "".join(f"{c:>{width}}" for c in cells))
+    # Ratios against the baseline at the same cache size.
+    base = {s["cache_blocks"]: s for s in cols if s["label"].split("@")[0] == baseline}
+    for s in cols:
+        b = base.get(s["cache_blocks"])
+        if b is None or b is s:
+            continue
+        parts = [
+            f"TTFT {p} {_ratio(s['ttft_ms'][p], b['ttft_ms'][p])}" for p in ("p50", "p90", "p99", "mean")
+        ] + [f"QTTFT {p} {_ratio(s['qttft_ms'][p], b['qttft_ms'][p])}" for p in ("p50", "p90", "p99", "mean")]
+        hit = s["token_hit_rate"], b["token_hit_rate"]
+        delta = f"{100 * (hit[0] - hit[1]):+.2f} points" if None not in hit else "-"
+        lines.append(f"{s['label']} / {b['label']}: hit rate {delta}; " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def windowed_hit_rates(res: RunResult, window_s: float) -> list[tuple[float, float]]:
+    """(window start s, token hit rate) of the completed requests, by send time."""
+    acc: dict[int, list[int]] = {}
+    for r in res.requests:
+        if r.ok and r.sent is not None and r.prompt_tokens:
+            w = acc.setdefault(int(r.sent // window_s), [0, 0])
+            w[0] += r.cached_tokens or 0
+            w[1] += r.prompt_tokens
+    return [(k * window_s, h / p) for k, (h, p) in sorted(acc.items()) if p]
+
+
+def plot(results: Sequence[RunResult], path: str, windows: int = 30) -> None:
+    """TTFT CDF per run (server TTFT and QTTFT) and windowed token hit rate over the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    span = max((r.wall_s for r in results), default=1.0) or 1.0
+    window = max(1.0, span / windows)
+    for i, res in enumerate(results):
+        color = f"C{i % 10}"
+        ok = [r for r in res.requests if r.ok]
+        for values, style, what in (
+            (sorted(r.server_ttft_ms for r in ok if r.server_ttft_ms is not None), "-", "TTFT"),
+            (sorted(q for r in ok if (q := r.qttft_ms) is not None), "--", "QTTFT"),
+        ):
+            if values:
+                ys = [(i + 1) / len(values) for i in range(len(values))]
+                ax1.plot(values, ys, style, color=color, label=f"{res.label} {what}")
+        pts = windowed_hit_rates(res, window)
+        if pts:
+            ax2.plot([t for t, _ in pts], [100 * h for _, h in pts], marker=".", color=color, label=res.label)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("ms (server per-request metrics; dashed: QTTFT = queue + TTFT)")
+    ax1.set_ylabel("CDF")
+    ax1.set_title("time to first token")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel(f"seconds into the run ({window:.0f} s windows)")
+    ax2.set_ylabel("token hit rate %")
+    ax2.set_title("prefix-cache hit rate over time")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

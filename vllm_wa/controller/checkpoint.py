@@ -1,0 +1,195 @@
+"""Controller checkpoints: what a restarted engine warm-starts from.
+
+A checkpoint is untrusted input: the engine core reads it at start-up, so a
+crafted or damaged file must never stop the engine.  :func:`parse_checkpoint`
+checks every field's type, size and range before anything is applied and
+raises :class:`CheckpointError` otherwise; the controller then warns and keeps
+its prior.  Files are written with :func:`vllm_wa.fileio.atomic_write`, and
+write failures are counted and warned about once per distinct cause
+(:class:`CheckpointFailures`).
+
+Format (JSON)::
+
+    {"version": 2, "active": "<candidate>", "params": <PR JSON, with "version">,
+     "classes": [{"components": [tag, outcome, depth, reuse, think, reply, growth, turn],
+                  "data": {"events": [...], "censored": [...]}}, ...]}
+
+(components are the finest class's bucketed features, ``"u"`` for an
+unknown timing feature, ``"*"`` for a feature no candidate uses).
+
+The parameter version lives in ``params.version``; a restart continues from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_wa.controller.features import FEATURES, FINEST, FOLDED, TIMING_FEATURES, UNKNOWN
+from vllm_wa.controller.survival import NUM_BINS, SurvivalData
+from vllm_wa.engine_patch.block_tagger import OUTCOMES
+from vllm_wa.fileio import atomic_write
+from vllm_wa.params import ParamsError, WAParams
+from vllm_wa.validation import check_number
+from vllm_wa.workload_classes import RESERVED_CLASSES, is_valid_tag
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 2
+# Far above what MAX_FINE_CLASSES classes take (about 4 KiB each); a larger
+# file is refused before it is read.
+MAX_CHECKPOINT_BYTES = 32 << 20
+_KEYS = {"version", "active", "params", "classes"}
+_OUTCOMES = (*OUTCOMES, "unknown")
+Components = tuple[Any, ...]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be applied; the message says why."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: the active candidate, parameters, per-class data."""
+
+    active: str | None
+    params: WAParams
+    classes: tuple[tuple[Components, SurvivalData], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": CHECKPOINT_VERSION,
+            "active": self.active,
+            "params": self.params.to_pr_json(),
+            "classes": [{"components": list(comps), "data": data.state()} for comps, data in self.classes],
+        }
+
+
+def _components(raw: Any, where: str) -> Components:
+    """A finest class: one bucketed value per feature, ``*`` where folded."""
+    if not isinstance(raw, list) or len(raw) != len(FEATURES):
+        raise CheckpointError(f"{where}.components must be a list of {len(FEATURES)} items")
+    out: list[Any] = []
+    for i, (name, value) in enumerate(zip(FEATURES, raw)):
+        at = f"{where}.components[{i}]"
+        if value == FOLDED:
+            out.append(value)
+        elif name == "tag":
+            if not (isinstance(value, str) and (is_valid_tag(value) or value in RESERVED_CLASSES)):
+                raise CheckpointError(f"{at} is not a valid tag")
+            out.append(value)
+        elif name == "outcome":
+            if not isinstance(value, str) or value not in _OUTCOMES:
+                raise CheckpointError(f"{at} must be one of {_OUTCOMES}")
+            out.append(value)
+        elif value == UNKNOWN and name in TIMING_FEATURES:
+            out.append(value)
+        else:
+            edges = FINEST.edges(name)
+            out.append(int(check_number(at, value, ge=0, le=len(edges), integer=True, error=CheckpointError)))
+    return tuple(out)
+
+
+def _survival(raw: Any, where: str) -> SurvivalData:
+    if not isinstance(raw, dict) or set(raw) != {"events", "censored"}:
+        raise CheckpointError(f"{where}.data must be an object with 'events' and 'censored'")
+    arrays = []
+    for key in ("events", "censored"):
+        values = raw[key]
+        if not isinstance(values, list) or len(values) != NUM_BINS:
+            raise CheckpointError(f"{where}.data.{key} must be a list of {NUM_BINS} numbers")
+        for v in values:
+            check_number(f"{where}.data.{key}", v, ge=0, error=CheckpointError)
+        arrays.append(np.asarray(values, dtype=float))
+    return SurvivalData(arrays[0], arrays[1])
+
+
+def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
+    """Validate a decoded checkpoint completely; raises :class:`CheckpointError`."""
+    if not isinstance(data, dict):
+        raise CheckpointError("a checkpoint must be a JSON object")
+    if data.get("version") != CHECKPOINT_VERSION:
+        version = data.get("version")
+        raise CheckpointError(f"unsupported checkpoint version {version if isinstance(version, int) else '?'}")
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise CheckpointError(f"unknown key(s) {sorted(unknown)[:5]}")
+    active = data.get("active")
+    if active is not None and not isinstance(active, str):
+        raise CheckpointError("'active' must be a candidate name")
+    raw_classes = data.get("classes")
+    if not isinstance(raw_classes, list):
+        raise CheckpointError("'classes' must be a list")
+    if len(raw_classes) > max_classes:
+        raise CheckpointError(f"{len(raw_classes)} classes; at most {max_classes} are kept")
+    classes: list[tuple[Components, SurvivalData]] = []
+    seen: set[Components] = set()
+    for i, entry in enumerate(raw_classes):
+        where = f"classes[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"components", "data"}:
+            raise CheckpointError(f"{where} must be an object with 'components' and 'data'")
+        comps = _components(entry["components"], where)
+        if comps in seen:
+            raise CheckpointError(f"{where} repeats a class")
+        seen.add(comps)
+        classes.append((comps, _survival(entry["data"], where)))
+    try:
+        params = WAParams.from_pr_json(data.get("params"))
+    except ParamsError as e:
+        raise CheckpointError(f"params: {e}") from None
+    return Checkpoint(active, params, tuple(classes))
+
+
+def read_checkpoint(path: str, *, max_classes: int) -> Checkpoint | None:
+    """The checkpoint at ``path``; None when there is none; :class:`CheckpointError` when unusable."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_CHECKPOINT_BYTES:
+            raise CheckpointError(f"{size} bytes; a checkpoint is at most {MAX_CHECKPOINT_BYTES} bytes")
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_CHECKPOINT_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read: {e}") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise CheckpointError("JSON nested too deeply") from None
+    except ValueError as e:
+        raise CheckpointError(f"not valid JSON: {e}") from None
+    return parse_checkpoint(data, max_classes=max_classes)
+
+
+def write_checkpoint(path: str, checkpoint: Checkpoint) -> None:
+    """Write atomically; raises ``OSError`` when the file cannot be written."""
+    data = json.dumps(checkpoint.to_json())
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(data)
+
+
+@dataclass
+class CheckpointFailures:
+    """Checkpoint writes that failed: counted, the last one kept, warned once per cause."""
+
+    count: int = 0
+    last_error: str = ""
+    _warned: set[tuple[str, Any]] = field(default_factory=set, repr=False)
+
+    def record(self, path: str, error: BaseException) -> None:
+        self.count += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        cause = (type(error).__name__, getattr(error, "errno", None))
+        if cause in self._warned or len(self._warned) >= 64:
+            logger.debug("vllm-wa: cannot write checkpoint %s (%d failures): %s", path, self.count, error)
+            return
+        self._warned.add(cause)
+        logger.warning(
+            "vllm-wa: cannot write checkpoint %s: %s (counted in checkpoint_errors; "
+            "further failures of this kind are not logged)", path, error,
+        )

@@ -1,0 +1,252 @@
+"""Which candidate the real cache runs: LRU until another is measured better.
+
+Every sampled request is looked up in every candidate's miniature cache, so
+the candidates are compared *paired*, over the same requests.  A request's
+hit blocks in each cache are summed into batches of ``batch_s`` seconds
+(requests within a batch are correlated: they share prompts and cache
+state), and the lead of one candidate over another is a ratio of batch sums
+with a batch-means standard error.
+
+* **Promotion** needs evidence: at least ``min_requests`` sampled requests
+  over ``min_batches`` batches of the promotion window, and a lower
+  confidence bound of the lead over the running candidate above ``margin``.
+  The test is repeated at every refit, which would inflate false promotions
+  at a fixed z, so the bound uses the normal-mixture boundary of a
+  confidence sequence (Robbins 1970; Howard et al. 2021, eq. 14), valid
+  whenever it is looked at.
+* **Demotion** is quick and one-way safe: when LRU's miniature cache leads
+  the running candidate by ``margin`` over the short demotion window, with
+  a plain one-sided bound above zero, the real cache goes back to LRU at
+  that refit.  A demoted candidate's earlier lead no longer counts.
+
+Every switch is logged with the evidence behind it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+LRU = "lru"
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    """The tuner's knobs (``[tuner]`` in the controller config)."""
+
+    margin: float = 0.003
+    window_s: float = 900.0
+    demote_window_s: float = 300.0
+    batch_s: float = 30.0
+    min_requests: int = 200
+    min_batches: int = 6
+    confidence: float = 0.95
+    demote_confidence: float = 0.95
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Hit-rate lead of one candidate over another on the same sampled requests."""
+
+    lead: float
+    stderr: float
+    batches: int
+    requests: int
+    lookups: int
+
+    def lower(self, z: float) -> float:
+        return self.lead - z * self.stderr
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One change of the running candidate, with its evidence."""
+
+    time: float
+    from_candidate: str
+    to_candidate: str
+    reason: str  # "promote" or "demote"
+    lead: float
+    lower_bound: float
+    batches: int
+    requests: int
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["from"] = d.pop("from_candidate")
+        d["to"] = d.pop("to_candidate")
+        for k in ("lead", "lower_bound"):
+            d[k] = round(d[k], 6)
+        return d
+
+
+def sequential_z(batches: int, confidence: float, rho: float) -> float:
+    """Multiplier of the standard error that a mean of ``batches`` batches must
+    clear for a one-sided bound that holds at every look (normal mixture)."""
+    alpha = 1.0 - confidence
+    b = max(1, batches)
+    return math.sqrt(2.0 * (b + rho) / b * math.log(math.sqrt((b + rho) / rho) / alpha))
+
+
+class PairedHits:
+    """Per-batch sums, over the same sampled requests, of every candidate's hits."""
+
+    def __init__(self, names: list[str], batch_s: float, keep_s: float) -> None:
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.batch_s = float(batch_s)
+        self.keep = max(1, int(math.ceil(keep_s / batch_s)) + 1)
+        # (batch number, requests, lookups, hits per candidate)
+        self._batches: deque[tuple[int, int, int, np.ndarray]] = deque()
+        self._cur = -1
+        self._requests = 0
+        self._lookups = 0
+        self._hits = np.zeros(len(self.names), dtype=np.int64)
+
+    def add(self, t: float, lookups: int, hits: list[int]) -> None:
+        """One sampled request: ``lookups`` sampled blocks, ``hits[i]`` hit in cache ``i``."""
+        b = int(t // self.batch_s)
+        if b != self._cur:
+            self._close()
+            self._cur = b
+        self._requests += 1
+        self._lookups += lookups
+        self._hits += hits
+
+    def _close(self) -> None:
+        if self._requests:
+            self._batches.append((self._cur, self._requests, self._lookups, self._hits))
+            while len(self._batches) > self.keep:
+                self._batches.popleft()
+        self._requests = self._lookups = 0
+        self._hits = np.zeros(len(self.names), dtype=np.int64)
+
+    def _since(self, t: float) -> list[tuple[int, int, int, np.ndarray]]:
+        first = int(t // self.batch_s)
+        rows = [x for x in self._batches if x[0] >= first]
+        if self._requests and self._cur >= first:
+            rows.append((self._cur, self._requests, self._lookups, self._hits))
+        return rows
+
+    def compare(self, a: str, b: str, since: float) -> Comparison:
+        """Lead of ``a`` over ``b`` in hit rate over the batches from ``since``."""
+        rows = self._since(since)
+        if not rows:
+            return Comparison(0.0, math.inf, 0, 0, 0)
+        ia, ib = self.index[a], self.index[b]
+        n = np.array([r[2] for r in rows], dtype=np.float64)
+        d = np.array([float(r[3][ia] - r[3][ib]) for r in rows])
+        reqs = sum(r[1] for r in rows)
+        total = float(n.sum())
+        if total <= 0:
+            return Comparison(0.0, math.inf, len(rows), reqs, 0)
+        lead = float(d.sum()) / total
+        k = len(rows)
+        if k < 2:
+            return Comparison(lead, math.inf, k, reqs, int(total))
+        resid = d - lead * n
+        se = math.sqrt(k / (k - 1) * float(resid @ resid)) / total
+        return Comparison(lead, se, k, reqs, int(total))
+
+    def rates(self, since: float) -> dict[str, tuple[float, int]]:
+        """Each candidate's hit rate and sampled lookups over the batches from ``since``."""
+        rows = self._since(since)
+        total = sum(r[2] for r in rows)
+        hits = sum((r[3] for r in rows), np.zeros(len(self.names), dtype=np.int64))
+        return {n: (float(hits[i]) / total if total else 0.0, int(total)) for i, n in enumerate(self.names)}
+
+
+@dataclass
+class Tuner:
+    """Chooses the running candidate; starts (and restarts) on LRU."""
+
+    names: list[str]
+    settings: TunerSettings = field(default_factory=TunerSettings)
+    initial: str = LRU
+
+    def __post_init__(self) -> None:
+        if LRU not in self.names:
+            raise ValueError("LRU must be a candidate")
+        s = self.settings
+        self.hits = PairedHits(self.names, s.batch_s, max(s.window_s, s.demote_window_s))
+        self.active = self.initial
+        self.active_since = -math.inf
+        self.evidence_since = {n: -math.inf for n in self.names}
+        self.switches: deque[Switch] = deque(maxlen=50)
+        self.promotions = 0
+        self.demotions = 0
+        self.seconds_on = {n: 0.0 for n in self.names}
+        self._last = None
+        self._z_demote = NormalDist().inv_cdf(s.demote_confidence)
+
+    def record(self, t: float, lookups: int, hits: list[int]) -> None:
+        self.hits.add(t, lookups, hits)
+
+    def _promotion(self, now: float) -> tuple[str, Comparison, float] | None:
+        s = self.settings
+        best: tuple[str, Comparison, float] | None = None
+        for name in self.names:
+            if name == self.active:
+                continue
+            since = max(now - s.window_s, self.evidence_since[name])
+            cmp = self.hits.compare(name, self.active, since)
+            if cmp.requests < s.min_requests or cmp.batches < s.min_batches:
+                continue
+            lb = cmp.lower(sequential_z(cmp.batches, s.confidence, s.min_batches))
+            if lb > s.margin and (best is None or lb > best[2]):
+                best = (name, cmp, lb)
+        return best
+
+    def _demotion(self, now: float) -> tuple[Comparison, float] | None:
+        s = self.settings
+        if self.active == LRU:
+            return None
+        since = max(now - s.demote_window_s, self.active_since)
+        cmp = self.hits.compare(LRU, self.active, since)
+        if cmp.batches < 2:
+            return None
+        lb = cmp.lower(self._z_demote)
+        if cmp.lead >= s.margin and lb > 0.0:
+            return cmp, lb
+        return None
+
+    def decide(self, now: float) -> Switch | None:
+        """Called at each refit: switch when the evidence says so."""
+        if self._last is not None and now > self._last:
+            self.seconds_on[self.active] += now - self._last
+        self._last = now
+        demote = self._demotion(now)
+        if demote is not None:
+            cmp, lb = demote
+            self.evidence_since[self.active] = now
+            self.demotions += 1
+            return self._switch(now, LRU, "demote", cmp, lb)
+        promote = self._promotion(now)
+        if promote is not None:
+            name, cmp, lb = promote
+            self.promotions += 1
+            return self._switch(now, name, "promote", cmp, lb)
+        return None
+
+    def _switch(self, now: float, to: str, reason: str, cmp: Comparison, lb: float) -> Switch:
+        sw = Switch(now, self.active, to, reason, cmp.lead, lb, cmp.batches, cmp.requests)
+        self.switches.append(sw)
+        self.active = to
+        self.active_since = now
+        return sw
+
+    def state(self, now: float) -> dict[str, Any]:
+        rates = self.hits.rates(now - self.settings.window_s)
+        return {
+            "active": self.active,
+            "promotions": self.promotions,
+            "demotions": self.demotions,
+            "switches": [sw.to_json() for sw in self.switches],
+            "seconds_on_candidate": {n: round(v, 3) for n, v in self.seconds_on.items()},
+            "window_rates": rates,
+        }

@@ -1,0 +1,150 @@
+"""Conversations, as the engine sees them: from the prefix chain alone.
+
+A request that continues a conversation carries the previous turn's prompt
+as its own prefix.  When a request finishes, the hashes of its prompt's last
+full blocks become *tips*; a later prompt that contains a tip continues that
+turn.  Found by a bounded backward scan of the new prompt's block hashes (a
+continuation's previous tip sits just before the new input), it works whether
+or not the previous turn's blocks are still cached.
+
+From the link the engine knows, with no client change: the conversation's
+turn count, the *think time* (from the previous turn's finish to this
+lookup), the prompt's growth since then, and, once the request finishes, the
+reply's length.  A conversation is named by a content-derived key, the hash
+of the first block where its first prompt left what was already cached (a
+shared system prompt stays outside it), so every turn of it samples alike.
+
+The link also labels the previous turn: its next turn came after the think
+time.  A tip that ages out (or is pushed out of the bounded index) without a
+continuation is a censored label.  Both are handed to ``on_label``.
+
+State is bounded: ``capacity`` tips (two per finished request), expired
+after ``max_age_s``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_wa.engine_patch.events import hash_sample_value
+
+
+@dataclass(frozen=True, slots=True)
+class TurnTiming:
+    """A request's place in its conversation, known at its prefix lookup."""
+
+    conversation: int  # 64-bit content-derived key
+    start: int  # position of the conversation's first own block
+    turn: int  # 1 for a conversation's first request
+    think_s: float | None  # previous turn's finish -> this lookup; None on turn 1
+    growth: float | None  # prompt blocks added since the previous turn, relative to its prompt
+
+
+@dataclass(slots=True)
+class _Tip:
+    timing: TurnTiming
+    prompt_blocks: int
+    finished: float
+    features: Any  # what the finished request was filed under (RequestTags)
+    labelled: bool = False
+
+
+@dataclass
+class ConversationCounters:
+    continuations: int = 0
+    new_conversations: int = 0
+    censored: int = 0
+
+
+class ConversationTracker:
+    """Links each prompt to the turn it continues (see the module docstring).
+
+    Args:
+        capacity: tips kept (two per finished request).
+        max_age_s: a tip older than this is dropped as a censored label.
+        max_scan: block hashes probed per lookup, from the prompt's end.
+        on_label: called with ``(features, delay, exposure, now)``: ``delay``
+            the observed time to the next turn, or None with the
+            ``exposure`` at which a turn was last seen waiting.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 1 << 16,
+        max_age_s: float = 7200.0,
+        max_scan: int = 8192,
+        on_label: Callable[[Any, float | None, float, float], None] | None = None,
+    ) -> None:
+        self.capacity = max(2, int(capacity))
+        self.max_age_s = float(max_age_s)
+        self.max_scan = max(1, int(max_scan))
+        self.on_label = on_label
+        self.tips: OrderedDict[Any, _Tip] = OrderedDict()
+        self.counters = ConversationCounters()
+
+    def lookup(self, hashes: Sequence[Any], n_hit: int, now: float) -> TurnTiming:
+        """The timing of a prompt with block ``hashes``, ``n_hit`` of them cached."""
+        tips = self.tips
+        prev: _Tip | None = None
+        n = len(hashes)
+        if tips:
+            lo = max(-1, n - 1 - self.max_scan)
+            for i in range(n - 1, lo, -1):
+                prev = tips.get(hashes[i])
+                if prev is not None:
+                    break
+        if prev is None:
+            self.counters.new_conversations += 1
+            start = min(n_hit, n - 1) if n else 0
+            key = hash_sample_value(hashes[start]) if n else 0
+            return TurnTiming(key, start, 1, None, None)
+        self.counters.continuations += 1
+        think = max(0.0, now - prev.finished)
+        if not prev.labelled:
+            prev.labelled = True
+            if self.on_label is not None:
+                self.on_label(prev.features, think, think, now)
+        p = prev.timing
+        growth = (n - prev.prompt_blocks) / max(1, prev.prompt_blocks)
+        return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
+
+    def finished(self, timing: TurnTiming, tip_hashes: Sequence[Any], prompt_blocks: int, features: Any, now: float) -> _Tip:
+        """A request released its blocks: its prompt's last full blocks become tips.
+
+        Returns the tip, whose ``features`` a late fact (the reply called a
+        tool) may still update before it is labelled."""
+        self.expire(now)
+        tip = _Tip(timing, prompt_blocks, now, features)
+        tips = self.tips
+        for h in tip_hashes:
+            tips[h] = tip
+            tips.move_to_end(h)
+        while len(tips) > self.capacity:
+            _, old = tips.popitem(last=False)
+            self._censor(old, now)
+        return tip
+
+    def expire(self, now: float) -> None:
+        """Drop tips older than ``max_age_s`` (censored at that age)."""
+        tips = self.tips
+        limit = now - self.max_age_s
+        while tips:
+            h, tip = next(iter(tips.items()))
+            if tip.finished > limit:
+                break
+            del tips[h]
+            self._censor(tip, now)
+
+    def _censor(self, tip: _Tip, now: float) -> None:
+        if tip.labelled:
+            return
+        tip.labelled = True
+        self.counters.censored += 1
+        if self.on_label is not None:
+            self.on_label(tip.features, None, now - tip.finished, now)
+
+    def __len__(self) -> int:
+        return len(self.tips)

@@ -1,0 +1,55 @@
+"""Reading TOML and writing files atomically, for every file vllm-wa reads or writes.
+
+``atomic_write`` is the only way vllm-wa replaces a file (checkpoints, trace
+caches, synthetic traces): readers, and a process that restarts after a
+crash, see the old file or the new one, never a partial one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+TOMLDecodeError = tomllib.TOMLDecodeError
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Parse a TOML file; raises ``OSError`` or :data:`TOMLDecodeError`."""
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+@contextmanager
+def atomic_write(path: str, mode: str = "w", *, opener: Callable[..., IO[Any]] = open, **kwargs: Any) -> Iterator[IO[Any]]:
+    """Yield a file to write ``path``'s new content into; rename it into place on success.
+
+    The temporary file sits beside ``path`` (same file system, so the rename
+    is atomic) and is flushed to disk before the rename.  On any error it is
+    removed and the error propagates; ``path`` is left as it was.
+    ``opener`` is ``open`` or a look-alike (``gzip.open``).
+    """
+    tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
+    try:
+        with opener(tmp, mode, **kwargs) as f:
+            yield f
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

@@ -1,0 +1,226 @@
+"""Replay exactly what a benchmark server saw (the JSON ``vllm-wa bench-serve`` writes).
+
+``load_served`` turns the client's records into a trace whose requests are
+the ones the server completed, with the server's own timing: a request looks
+its prompt up when the engine schedules it (send time plus the client's
+time to first token minus the server's) and frees its blocks at its last
+token (that plus the server's TTFT and generation time).  Failed requests are
+left out (counted in the notes).
+
+``ServedEngine`` is the ``--engine vllm`` driver for such traces: vLLM's real
+``KVCacheManager`` with the server's block size, the very token ids the
+client sent (so even the block hashes equal the server's), and the reply's
+tokens occupying KV slots as they did on the server (all generated tokens but
+the last), so partly filled reply blocks take space without ever being
+prefix hits.  Peer policies are told about the blocks vLLM caches: the full
+prompt blocks by their trace hash ids (what the server's lookups match), the
+full blocks past them (the prompt's tail filled up by the reply, the reply's
+own) by keys of their own request, which no later prompt can hit.
+
+What it cannot model: the exact interleaving of lookups and frees within one
+engine step (it orders them by the estimated times above), chunked prefill
+spreading a long prompt's allocation over several steps, and preemption.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from dataclasses import replace
+from typing import Any
+
+from vllm_wa.replay.lifetime import LifetimeModel
+from vllm_wa.replay.policies import ReplayPolicy
+from vllm_wa.replay.trace import Trace, TraceRequest
+from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
+from vllm_wa.sim.token_ids import FIRST_TOKEN, prompt_token_ids
+
+FORMAT = "vllm-wa-bench-serve"  # what vllm_wa.bench.results writes
+FMT = "served"
+
+
+def is_served_result(path: str) -> bool:
+    """Whether ``path`` is a bench-serve result (a JSON object with its format tag)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    return head.lstrip().startswith(b"{") and FORMAT.encode() in head
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def served_request(rec: dict[str, Any], block_size: int) -> TraceRequest | None:
+    """A completed record as the engine saw it; None for a request that failed."""
+    if rec.get("error") is not None or _num(rec.get("done")) is None or _num(rec.get("sent")) is None:
+        return None
+    sent, done = float(rec["sent"]), float(rec["done"])
+    first = _num(rec.get("first_token"))
+    ttft = _num(rec.get("server_ttft_ms"))
+    queue = _num(rec.get("server_queue_ms"))
+    gen = _num(rec.get("server_generation_ms"))
+    if first is not None and ttft is not None and queue is not None:
+        # The engine scheduled the request `queue` after it arrived there and
+        # `ttft` before the client saw its first token; what is left of the
+        # client's time to first token is the API server's way in and out,
+        # split evenly.
+        slack = max(0.0, (first - sent) - (queue + ttft) / 1000.0)
+        lookup = sent + queue / 1000.0 + slack / 2
+        free = lookup + (ttft + (gen or 0.0)) / 1000.0
+    else:
+        lookup, free = sent, done
+    hash_ids = rec.get("hash_ids")
+    n_in = int(rec.get("prompt_tokens") or rec.get("input_tokens") or 0)
+    if not isinstance(hash_ids, list) or not hash_ids or n_in < 1:
+        raise ValueError(f"record {rec.get('index')}: no prompt (hash_ids / input_tokens)")
+    if math.ceil(n_in / block_size) != len(hash_ids):
+        raise ValueError(f"record {rec.get('index')}: {n_in} prompt tokens do not match {len(hash_ids)} blocks")
+    n_out = int(rec.get("completion_tokens") or 0)
+    return TraceRequest(
+        request_id=str(rec.get("request_id", rec.get("index"))),
+        arrival=lookup,
+        hash_ids=array("q", hash_ids),
+        input_tokens=n_in,
+        output_tokens=n_out,
+        tag=str(rec.get("tag") or "default"),
+        conversation=int(rec.get("conversation", -1)),
+        # What the server's engine ended up with: the hint, else the finish reason.
+        outcome=rec.get("outcome_hint") or rec.get("finish_reason") or "length",
+        service_time=max(0.0, free - lookup),
+    )
+
+
+def load_served(path: str) -> Trace:
+    """The requests a bench-serve run completed, timed as the server ran them."""
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a bench-serve result")
+    bs = int(d["block_size"])
+    reqs = []
+    failed = 0
+    for rec in d.get("requests", []):
+        r = served_request(rec, bs)
+        if r is None:
+            failed += 1
+        else:
+            reqs.append(r)
+    if not reqs:
+        raise ValueError(f"{path}: no completed request to replay")
+    reqs.sort(key=lambda r: r.arrival)
+    server = d.get("server") or {}
+    trace = Trace(f"{d.get('label', 'served')}:{d.get('trace', '')}", bs, reqs, FMT)
+    # The client sent the source trace's conversations (none: all -1, as Mooncake's).
+    trace.conversations = any(r.conversation >= 0 for r in reqs)
+    trace.notes.append(
+        f"served by {server.get('url')} ({server.get('num_gpu_blocks')} blocks of {bs} tokens): "
+        f"{len(reqs)} completed requests, {failed} failed left out"
+    )
+    return trace
+
+
+def replay_config(cfg: Any) -> Any:
+    """A served trace is measured from its first request, with the server's exact service times."""
+    return replace(cfg, profile_fraction=0.0, lifetime=LifetimeModel(min_service_s=0.0))
+
+
+class ServedEngine:
+    """``--engine vllm`` for served traces: the server's tokens, block size and reply slots."""
+
+    def __init__(self, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: SettableClock) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        self.bs = trace.block_size
+        self.policy = policy
+        self.clock = clock
+        self._hasher = get_request_block_hasher(self.bs, sha256)
+        max_len = max(r.input_tokens + r.output_tokens for r in trace.requests) + 1
+        self.manager = model_free_kv_cache_manager(num_blocks, self.bs, max_len)
+        policy.install_vllm(self.manager.block_pool, clock)
+        self.hooks = policy.request_hooks  # a peer's (the WA tagger is wrapped into the manager)
+        self._live: dict[str, Any] = {}
+
+    def _request(self, req: TraceRequest) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max(1, req.output_tokens), extra_args={"type_info": req.tag})
+        sp.update_from_generation_config({}, eos_token_id=None)
+        return Request(
+            request_id=req.request_id,
+            prompt_token_ids=prompt_token_ids(req.hash_ids, self.bs, req.input_tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+    def _cached_with_keys(self, req: TraceRequest) -> tuple[list[Any], list[Any]]:
+        """The request's cached (full) blocks and a peer's key for each.
+
+        A partly filled last block is left out: the pool hands it out again
+        without an eviction, so a peer must never index it.
+        """
+        held = self.manager.coordinator.get_blocks(req.request_id)[0]
+        n = len(held)
+        while n and held[n - 1].block_hash is None:
+            n -= 1
+        full = req.input_tokens // self.bs
+        keys = [*req.hash_ids[: min(full, n)], *((req.request_id, j) for j in range(full, n))]
+        return held[:n], keys
+
+    def admit(self, index: int, req: TraceRequest) -> int:
+        m = self.manager
+        oracle, hooks, now = self.policy.oracle, self.hooks, self.clock.t
+        vreq = self._request(req)
+        blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
+        n_hit = n_hit_tokens // self.bs
+        if oracle is not None:
+            oracle.on_arrival(index, req.hash_ids, n_hit)
+        info = None
+        if hooks is not None:
+            info = self.policy.request_info(req)
+            full = req.hash_ids[: req.input_tokens // self.bs]
+            hooks.on_lookup(info, blocks.blocks[0] if blocks.blocks else [], full, now)
+        new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
+        if new is None:
+            m.free(vreq)
+            if oracle is not None:
+                oracle.on_arrival(index, req.hash_ids, 0, n_hit)
+            if hooks is not None:
+                hooks.forget(req.request_id, now)
+            return -1
+        vreq.num_computed_tokens = vreq.num_tokens
+        if oracle is not None:
+            oracle.on_admitted(index, m.coordinator.get_blocks(req.request_id)[0], req.hash_ids, n_hit)
+        # The reply's KV: every generated token but the last was fed back.
+        n_kv = req.output_tokens - 1
+        if n_kv > 0:
+            vreq.append_output_token_ids([FIRST_TOKEN] * n_kv)
+            if m.allocate_slots(vreq, n_kv) is not None:
+                vreq.num_computed_tokens += n_kv
+        if hooks is not None:
+            cached, keys = self._cached_with_keys(req)
+            hooks.on_admitted(replace(info, hashes=keys), cached, n_hit, now)
+        self._live[req.request_id] = vreq
+        return n_hit
+
+    def release(self, req: TraceRequest) -> None:
+        from vllm.v1.request import RequestStatus
+
+        vreq = self._live.pop(req.request_id)
+        tagger = self.policy.tagger
+        if tagger is not None and req.outcome is not None:
+            # The server's engine learned the outcome (hint) before the request finished.
+            tagger.reclassify(req.request_id, req.outcome)
+        if self.hooks is not None:
+            blocks = self.manager.coordinator.get_blocks(req.request_id)[0]
+            self.hooks.on_free(self.policy.request_info(req, finished=True), blocks, self.clock.t)
+        vreq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self.manager.free(vreq)

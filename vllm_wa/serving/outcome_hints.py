@@ -1,0 +1,125 @@
+"""Benchmark hook: a request may say how its reply ended in a recorded trace.
+
+The workload-aware queue classes a request's freed blocks by how its reply
+ended (a tool call, an end of turn, a length limit).  A replayed trace cannot
+reproduce that with a random-weight model (it calls no tools) and with
+``ignore_eos`` (every reply ends by length).  ``vllm-wa bench-serve``
+therefore sends the outcome the trace recorded in ``vllm_xargs.wa_outcome``
+(``"tool"``, ``"stop"`` or ``"length"``).
+
+The server honours it only when started with ``--wa-bench-outcome-hints``
+(a benchmark hook: in production a client could mislabel its own blocks).
+The hint takes the path of the API server's tool-call reports
+(``OutcomeReporter`` -> the engine utility ``wa_report_outcomes`` ->
+``BlockTagger.reclassify``), but is sent *before* the request reaches the
+engine: the tagger keeps it as a pending fact and applies it when the request
+finishes and frees its blocks, so the blocks and the controller's events carry
+it from the start.  It never overrides an outcome the engine observed itself
+other than ``stop``/``length`` (see ``BlockTagger.reclassify``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+HINT_KEY = "wa_outcome"
+HINT_OUTCOMES = ("tool", "stop", "length")
+_MARK = "__vllm_wa_outcome_hints__"
+
+
+@dataclass
+class HintCounters:
+    """Hints delivered to the engines, and hints ignored (bad value, or not delivered)."""
+
+    applied: int = 0
+    ignored: int = 0
+
+
+COUNTERS = HintCounters()
+
+
+def hint_of(request: Any) -> str | None:
+    """The request's valid outcome hint; a bad one is counted and ignored."""
+    xargs = getattr(request, "vllm_xargs", None)
+    if not isinstance(xargs, dict) or HINT_KEY not in xargs:
+        return None
+    hint = xargs[HINT_KEY]
+    if hint in HINT_OUTCOMES:
+        return hint
+    COUNTERS.ignored += 1
+    if COUNTERS.ignored == 1:
+        logger.warning("vllm-wa: ignoring outcome hint %r (expected one of %s)", hint, HINT_OUTCOMES)
+    return None
+
+
+def _base_id(request: Any, raw_request: Any) -> str | None:
+    # vLLM's rule (OpenAIServing._base_request_id): the X-Request-Id header, else the body's request_id.
+    headers = getattr(raw_request, "headers", None)
+    if headers is not None and headers.get("X-Request-Id") is not None:
+        return headers.get("X-Request-Id")
+    rid = getattr(request, "request_id", None)
+    return rid if isinstance(rid, str) else None
+
+
+def completion_keys(request: Any, raw_request: Any) -> list[str]:
+    """The ids the engine's tagger files a completion's late facts under (``cmpl-<id>-<i>``)."""
+    base = _base_id(request, raw_request)
+    if base is None:
+        return []
+    prompt = getattr(request, "prompt", None)
+    n = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
+    return [f"cmpl-{base}-{i}" for i in range(n)]
+
+
+def chat_keys(request: Any, raw_request: Any) -> list[str]:
+    """The id the engine's tagger files a chat completion's late facts under (``chatcmpl-<id>``)."""
+    base = _base_id(request, raw_request)
+    return [] if base is None else [f"chatcmpl-{base}"]
+
+
+def _wrap(orig: Any, keys_of: Any) -> Any:
+    @functools.wraps(orig)
+    async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_wa.serving import api_side
+
+        reporter = api_side._REPORTER
+        hint = hint_of(request) if reporter is not None else None
+        if hint is not None:
+            raw_request = args[0] if args else kwargs.get("raw_request")
+            keys = keys_of(request, raw_request)
+            if keys:
+                try:
+                    await reporter.report_now([[k, hint] for k in keys])
+                    COUNTERS.applied += 1
+                except Exception as e:  # noqa: BLE001 - a hint must never fail the request
+                    COUNTERS.ignored += 1
+                    logger.debug("vllm-wa: outcome hint not delivered: %s", e)
+        return await orig(self, request, *args, **kwargs)
+
+    setattr(create, _MARK, orig)
+    return create
+
+
+def install() -> None:
+    """Honour outcome hints on completions and chat completions (idempotent).
+
+    Only called by ``enable_online`` when ``--wa-bench-outcome-hints`` is set.
+    """
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    for cls, name, keys in (
+        (OpenAIServingCompletion, "create_completion", completion_keys),
+        (OpenAIServingChat, "create_chat_completion", chat_keys),
+    ):
+        current = getattr(cls, name)
+        if getattr(current, _MARK, None) is None:
+            setattr(cls, name, _wrap(current, keys))
+    logger.warning(
+        "vllm-wa: --wa-bench-outcome-hints: requests may set their reply outcome (vllm_xargs.%s); "
+        "a benchmark hook, not for production", HINT_KEY,
+    )

@@ -1,0 +1,110 @@
+"""``GET`` and ``PUT /wa/params`` on the API server.
+
+* ``GET`` answers from the API server's copy of the engines' state (at most
+  one poll interval old, never more than one refit interval; see
+  :mod:`vllm_wa.serving.snapshots`), so reading it costs the engine loop
+  nothing.  It lists every client's tag names, so it needs vLLM's API key
+  when the server has one, unless the server runs with ``--wa-public-params``.
+* ``PUT`` pins parameters or returns to automatic mode; refused (403) unless
+  ``--wa-allow-pin``, and needs the API key when the server has one.  Bodies
+  over :data:`MAX_PIN_BODY_BYTES` get 413, bodies that are not JSON (or are
+  nested too deeply) 400, and bodies with bad content 422, each with the
+  reason; only a valid body reaches the engine cores (vLLM's utility calls).
+
+The API key is checked by vLLM's own ``AuthenticationMiddleware.verify_token``
+(SHA-256 of the token, then a constant-time compare), with the keys vLLM
+itself uses (``--api-key``, else ``VLLM_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from vllm_wa.serving.pin_request import MAX_PIN_BODY_BYTES, PinRequestError, parse_pin_request
+from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.snapshots import EngineSnapshots
+
+
+def api_key_ok(request: Request) -> bool:
+    """True when the server has no API key or the request carries one of its keys."""
+    from vllm import envs
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    args = getattr(request.app.state, "args", None)
+    tokens = [k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k]
+    if not tokens:
+        return True
+    cached = getattr(request.app.state, "vllm_wa_auth", None)
+    if cached is None or cached[0] != tokens:  # hash the keys once, as vLLM's middleware does
+        cached = request.app.state.vllm_wa_auth = (tokens, AuthenticationMiddleware(None, tokens))
+    return cached[1].verify_token(request.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None as soon as it is known to exceed ``limit`` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+def make_router(settings: ServingSettings, snapshots: EngineSnapshots, max_classes: int) -> APIRouter:
+    """The ``/wa/params`` routes; ``max_classes`` is the engines' class cap (a pin's limit)."""
+    router = APIRouter()
+
+    @router.get("/wa/params")
+    async def get_params(raw_request: Request) -> JSONResponse:
+        if not settings.public_params and not api_key_ok(raw_request):
+            return _error(401, "Unauthorized")
+        try:
+            engines = await snapshots.get()
+        except Exception as e:  # noqa: BLE001 - the engines are unreachable: say so
+            return _error(503, f"the engine cores did not answer: {type(e).__name__}")
+        return JSONResponse({"engines": [e.get("state", e) for e in engines]})
+
+    @router.put("/wa/params")
+    async def put_params(raw_request: Request) -> JSONResponse:
+        if not api_key_ok(raw_request):
+            return _error(401, "Unauthorized")
+        if not settings.allow_pin:
+            return _error(403, "pinning parameters is disabled; start the server with --wa-allow-pin")
+        raw = await read_body(raw_request, MAX_PIN_BODY_BYTES)
+        if raw is None:
+            return _error(413, f"the body is larger than {MAX_PIN_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            return _error(400, "the body is nested too deeply")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            return _error(400, "the body is not valid JSON")
+        try:
+            parse_pin_request(body, max_classes=max_classes)  # a bad body never reaches an engine
+        except PinRequestError as e:
+            return _error(e.status, str(e))
+        client = raw_request.app.state.engine_client
+        results = await client.engine_core.call_utility_all_async("wa_set_params", body)
+        bad = [r for r in results if not r.get("ok")]
+        if bad:
+            return _error(bad[0].get("status", 500), bad[0].get("error", "an engine refused"), engines=results)
+        try:
+            await snapshots.refresh()  # the next GET shows the change
+        except Exception:  # noqa: BLE001 - the pin itself succeeded
+            pass
+        return JSONResponse({"engines": results})
+
+    return router
