@@ -82,12 +82,54 @@ def test_arc_keeps_blocks_used_twice_through_a_scan():
 
 def test_arc_ghost_hits_grow_t1_target():
     h = Harness(peer("arc"), 4)
-    h.run([1, 2, 3], 1.0)  # T1 = {1,2,3}
-    h.run([5, 6, 7], 2.0)  # evicts from T1: 1, 2 go to the ghost list B1
+    h.run([1, 2, 3], 1.0)  # T1 = {1,2,3}, head most recent once it finished
+    h.run([5, 6, 7], 2.0)  # evicts from T1, tail first: 3, 2 go to the ghost list B1
     q = h.policy.queue
-    assert {1, 2} <= set(q.b1) and q.target_t1_size == 0
-    h.run([1, 2, 8], 3.0)  # touches ghosts 1, 2 in B1
+    assert set(q.b1) == {2, 3} and q.target_t1_size == 0
+    assert h.run([1, 2, 3, 8], 3.0) == 1  # store misses 2, 3 are ghosts in B1
     assert q.target_t1_size == 2
+
+
+def test_arc_evicts_a_prompt_tail_before_its_head():
+    # vLLM 0.32 ARCCachePolicy.on_request_finished walks the request's keys in
+    # reverse, so its head ends most recent; evicting the head first would
+    # orphan the whole chain (no later prompt could reach its tail).
+    lru, arc = both("arc", 4, lambda h: (h.run([1, 2, 3], 1.0), h.run([5, 6], 2.0), h.run([1, 2, 3], 3.0))[-1])
+    assert lru == arc == 2
+
+
+def test_arc_store_is_not_a_frequency_hit_reuse_is():
+    h = Harness(peer("arc"), 8)
+    q = h.policy.queue
+    rid, _ = h.admit([1, 2, 3], 1.0)
+    h.release(rid, 1.0)
+    assert (q.t1_size, q.t2_size) == (3, 0)  # inserted only: stays in T1
+    rid, hits = h.admit([1, 2, 4], 2.0)
+    assert hits == 2 and (q.t1_size, q.t2_size) == (4, 0)  # promoted when it finishes
+    h.release(rid, 2.0)
+    assert (q.t1_size, q.t2_size) == (2, 2)
+
+
+def looping_hot_set_with_scans(h: Harness) -> int:
+    """Each round: two hot prompts, each used twice, then a scan of one-time prompts."""
+    hits, key = 0, 1000
+    for r in range(10):
+        t = 10.0 * r
+        for i, hot in enumerate(([1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6])):
+            hits += h.run(hot, t + i)
+        for i in range(3):  # 9 new blocks: the cache (9) cannot also keep the hot set
+            hits += h.run([key, key + 1, key + 2], t + 5 + i)
+            key += 3
+    return hits
+
+
+def test_arc_beats_lru_on_a_scan_pattern():
+    # A prompt hit in full still recomputes its last block: 2 hit blocks a use.
+    # LRU: the scan flushes the hot set every round, so it hits on its second
+    # use only (4 blocks a round). ARC: reuse moved it to T2, the scan only
+    # cycles through T1 (its target stays 0), so from round 2 on all 4 uses hit.
+    lru, arc = both("arc", 9, looping_hot_set_with_scans)
+    assert (lru, arc) == (4 * 10, 4 + 8 * 9)
 
 
 def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
@@ -102,16 +144,20 @@ def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
     got = q.popleft_n(4)
     for b, h in zip(got, [11, 12, 13, 14]):
         b._block_hash = h
-    q.on_admitted(RequestHints("a", [11, 12], 32), got[:2], 0, 0.0)  # T1: blocks 1, 2
-    q.on_admitted(RequestHints("b", [13, 14], 32), got[2:], 0, 0.0)  # T1: blocks 3, 4
-    q.on_lookup(RequestHints("c", [13, 14], 32), got[2:3], [13, 14], 0.0)  # both move to T2
+    a, b, c = (RequestHints(r, k, 32) for r, k in (("a", [11, 12]), ("b", [13, 14]), ("c", [13, 14])))
+    q.on_admitted(a, got[:2], 0, 0.0)  # T1: blocks 1, 2
+    q.on_admitted(b, got[2:], 0, 0.0)  # T1: blocks 3, 4
+    for r, held in ((a, got[:2]), (b, got[2:])):
+        q.on_free(r, held, 0.0)
+        q.append_n(held[::-1])
+    q.on_lookup(c, got[2:], [13, 14], 0.0)
+    q.remove_n(got[2:])  # c reuses 13, 14 and keeps them pinned
+    q.on_admitted(c, got[2:], 2, 0.0)
+    q.on_free(c, got[2:], 0.0)  # both move to T2
     assert (q.t1_size, q.t2_size) == (2, 2)
-    q.append_n(got)
-    q.remove(got[2])
-    q.remove(got[3])  # T2 is all pinned
-    q.target_t1_size = 3.0  # and T1 is below its target: vLLM #55461 takes T1's oldest
-    assert [b.block_id for b in q.popleft_n(1)] == [1]
-    assert 11 in q.b1 and q.t1_size == 1
+    q.target_t1_size = 3.0  # T1 is below its target and T2 is all pinned: vLLM #55461 takes T1's oldest
+    assert [b.block_id for b in q.popleft_n(1)] == [2]  # a's tail
+    assert 12 in q.b1 and q.t1_size == 1
 
 
 @pytest.mark.parametrize("name, setting", [("slru", 3), ("lfu", None)])

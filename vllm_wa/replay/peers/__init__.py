@@ -73,7 +73,7 @@ PEERS: dict[str, PeerSpec] = {
     for p in (
         PeerSpec(
             "arc",
-            "vLLM ARCCachePolicy (kv_offload/cpu/policies/arc.py, #27039, #55461)",
+            "vLLM 0.32 ARCCachePolicy (kv_offload/cpu/policies/arc.py, #27039, #55461)",
             (),
             lambda blocks, ctx, _: ARCQueue(blocks, ctx.capacity, ctx.num_block_ids),
         ),

@@ -1,27 +1,37 @@
 """``arc``: vLLM's ``ARCCachePolicy`` on the GPU prefix cache.
 
-Source: vLLM ``vllm/v1/kv_offload/cpu/policies/arc.py`` (``ARCCachePolicy``,
-introduced by https://github.com/vllm-project/vllm/pull/27039, read at commit
-02957b5ac0f91813c434af93d5498b55f2aeaad1), with the T1 fallback of
-https://github.com/vllm-project/vllm/pull/55461 (evict from T1 when T2 has no
-eligible entry left instead of failing). ARC itself: Megiddo & Modha, FAST '03.
+Source: vLLM 0.32's ``vllm/v1/kv_offload/cpu/policies/arc.py``
+(``ARCCachePolicy``) driven by ``vllm/v1/kv_offload/cpu/manager.py``
+(``CPUOffloadingManager``), the version this project installs (it is also
+what https://github.com/vllm-project/vllm/pull/27039 became after the T1
+fallback of https://github.com/vllm-project/vllm/pull/55461 and the
+request-scoped accesses that replaced per-lookup ``touch``). ARC itself:
+Megiddo & Modha, FAST '03.
 
-The calls follow vLLM's offloading connector, which drives the policy:
+The calls follow the manager, one request at a time:
 
-* every lookup ``touch``-es all of the prompt's keys, in reverse order: a key
-  in T1 moves to T2, a key in T2 moves to T2's MRU end, a key in ghost list
-  B1 (B2) raises (lowers) the adaptive target size of T1 by
-  ``max(1, |B2|/|B1|)`` (``max(1, |B1|/|B2|)``), bounded by the capacity;
-* the request's new blocks are ``insert``-ed into T1 in prompt order, and
-  leave the ghost lists;
+* ``prepare_store`` (the request's new keys): the keys not resident are
+  store misses; each one found in ghost list B1 (B2), in reverse prompt order,
+  raises (lowers) the adaptive target size of T1 by ``max(1, |B2|/|B1|)``
+  (``max(1, |B1|/|B2|)``), bounded by the capacity (``on_store_miss``, once
+  per request); then room is made by eviction and the new keys are
+  ``insert``-ed into T1 and leave the ghost lists;
 * eviction takes, while the (virtual) size of T1 is at least its target, T1's
-  least recent evictable entry, else T2's (else T1's); victims go to B1/B2,
-  and each ghost list is trimmed to the capacity.
+  least recent evictable entry, else T2's, else T1's (#55461); victims go to
+  B1/B2, and each ghost list is trimmed to the capacity;
+* when the request finishes (``on_request_finished``), its keys are walked in
+  reverse prompt order: a key it only inserted keeps its list and moves to
+  that list's MRU end ("a store is not a frequency hit"), a ready key it
+  reused (loaded, or found already stored) moves from T1 to T2 or to T2's MRU
+  end. So a request's blocks leave it head-most-recent: the tail of a prompt
+  is evicted before its head, as with vLLM's own free queue.
 
-Only free blocks (``ref_cnt == 0`` in the source) are eligible; pinned ones
-are skipped, as in the source. Resident entries are blocks, ghosts are keys
-(trace block hashes). Knobs: none (the T1/T2 split adapts online). Client
-hints: none.
+GPU-side translation: a request's reused keys are its prefix-cache hits (and
+any key of its prompt still held by another block past the hit prefix, which
+vLLM recomputes into a block of its own); its inserted keys are its new
+blocks. Only free blocks (``ref_cnt == 0`` in the source) are eligible.
+Resident entries are blocks, ghosts are keys (trace block hashes). Knobs:
+none (the T1/T2 split adapts online). Client hints: none.
 """
 
 from __future__ import annotations
@@ -59,36 +69,28 @@ class ARCQueue(PeerQueue):
         # Free resident entries of T1 / T2 as ``stamp << id_bits | block id``;
         # stale ones (stamp renewed, block pinned) are skipped when popped.
         self._heaps: tuple[list[int], list[int], list[int]] = ([], [], [])
-        self._pending_hits: Sequence[KVCacheBlock] = ()
+        # Running requests: (hit blocks, cached blocks, prompt positions of keys
+        # another block held when the request was stored).
+        self._running: dict[str, tuple[int, int, list[int]]] = {}
         super().__init__(blocks, num_block_ids)
         n = self.num_block_ids
         self.where = bytearray(n)
         self.stamp = [0] * n
         self.id_bits = max(1, n.bit_length())
 
-    # ---- touch and insert -------------------------------------------------------------------
+    # ---- store miss, insert, request finished -----------------------------------------------
 
     def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
-        primary = self.resident.primary
-        where, stamp, is_free = self.where, self.stamp, self.is_free
-        h2, shift = self._heaps[_T2], self.id_bits
+        # on_store_miss: before the eviction that makes room for the new keys.
         b1, b2 = self.b1, self.b2
-        n_hit = len(hit_blocks)
-        tick = self._tick
-        promoted = 0
-        # Reverse prompt order, as the source; first the part past the hit prefix.
-        for j in range(len(hashes) - 1, n_hit - 1, -1):
+        if not (b1 or b2):
+            return
+        primary = self.resident.primary
+        for j in range(len(hashes) - 1, len(hit_blocks) - 1, -1):
             key = hashes[j]
-            bid = primary.get(key)
-            if bid is not None:
-                if where[bid] == _T1:
-                    where[bid] = _T2
-                    promoted += 1
-                tick += 1
-                stamp[bid] = tick
-                if is_free[bid]:  # stays free: it moves in place
-                    heapq.heappush(h2, (tick << shift) | bid)
-            elif b1 and key in b1:
+            if key in primary:
+                continue  # stored already: not a store miss
+            if b1 and key in b1:
                 r = len(b2) / len(b1)
                 self.target_t1_size = min(self.target_t1_size + (r if r > 1.0 else 1.0), self.capacity)
                 b1.move_to_end(key)
@@ -96,33 +98,13 @@ class ARCQueue(PeerQueue):
                 r = len(b1) / len(b2)
                 self.target_t1_size = max(self.target_t1_size - (r if r > 1.0 else 1.0), 0.0)
                 b2.move_to_end(key)
-        # The hit prefix: the blocks lookups find for these keys, pinned right after.
-        for b in reversed(hit_blocks):
-            bid = b.block_id
-            if where[bid] == _T1:
-                where[bid] = _T2
-                promoted += 1
-            tick += 1
-            stamp[bid] = tick
-        self.t1_size -= promoted
-        self.t2_size += promoted
-        self._tick = tick
-        self._pending_hits = hit_blocks
-
-    def forget(self, request_id: str, now: float) -> None:
-        # The hits stay free: they keep their new place in T2.
-        for b in self._pending_hits:
-            bid = b.block_id
-            if self.is_free[bid]:
-                heapq.heappush(self._heaps[self.where[bid]], (self.stamp[bid] << self.id_bits) | bid)
-        self._pending_hits = ()
 
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
-        self._pending_hits = ()
         hashes, key_of, where, stamp = req.hashes, self.key_of, self.where, self.stamp
         b1, b2, resident = self.b1, self.b2, self.resident
         primary = resident.primary
         tick = self._tick
+        held_elsewhere: list[int] = []
         for j in range(n_hit, len(blocks)):
             bid = blocks[j].block_id
             key = hashes[j]
@@ -136,7 +118,43 @@ class ARCQueue(PeerQueue):
                 del b2[key]
             if primary.setdefault(key, bid) != bid:
                 resident.add(key, bid)  # a second block holding the key
+                held_elsewhere.append(j)
         self.t1_size += len(blocks) - n_hit
+        self._tick = tick
+        self._running[req.request_id] = (n_hit, len(blocks), held_elsewhere)
+
+    def on_free(self, req: RequestHints, blocks: Sequence[KVCacheBlock], now: float) -> None:
+        got = self._running.pop(req.request_id, None)
+        if got is None:
+            return
+        n_hit, n_cached, held_elsewhere = got
+        where, stamp, is_free, shift = self.where, self.stamp, self.is_free, self.id_bits
+        primary, h2 = self.resident.primary, self._heaps[_T2]
+        hashes = req.hashes
+        other = set(held_elsewhere)
+        tick = self._tick
+        promoted = 0
+        for j in range(n_cached - 1, -1, -1):
+            bid = blocks[j].block_id
+            if j >= n_hit:
+                # Inserted only: its list's MRU end.
+                tick += 1
+                stamp[bid] = tick
+                if j not in other:
+                    continue
+                # The key was also found stored (another block): reused.
+                bid = primary.get(hashes[j], -1)
+                if bid < 0 or bid == blocks[j].block_id or not where[bid]:
+                    continue
+            if where[bid] == _T1:
+                where[bid] = _T2
+                promoted += 1
+            tick += 1
+            stamp[bid] = tick
+            if is_free[bid]:  # someone else's free block: re-queue it in place
+                heapq.heappush(h2, (tick << shift) | bid)
+        self.t1_size -= promoted
+        self.t2_size += promoted
         self._tick = tick
 
     # ---- queue ------------------------------------------------------------------------------
