@@ -243,7 +243,10 @@ def test_session_merges_continuations_and_seeds_fresh_sessions_from_ghosts():
     h.run([7, 8], 3.0)
     assert len(q.sessions) == 2
     fresh = q.sessions[max(q.sessions)]
-    assert fresh.hits == pytest.approx((1.0 / 1.0 + 1.0 / 1.5849625007211563) / 12.0)
+    # Seeded from the ghost scores of 7, 8 (one miss each, at positions 0, 1),
+    # plus the touch the connector sends right after the store.
+    assert fresh.hits == pytest.approx((1.0 / 1.0 + 1.0 / 1.5849625007211563) / 12.0 + 1.0)
+    assert fresh.last_touch == q.logical_time == 6  # two touches per stored request
 
 
 def test_ghost_scores_decay_and_prune_like_the_source():

@@ -11,7 +11,11 @@ What it reproduces, call by call, as the offloading connector drives it:
 
 * lookup (``record_lookup``): a request whose lookup finds a resident block
   remembers that block's session (the deepest hit's) as its merge target;
-* ``touch`` (every lookup, all the prompt's keys): the logical clock ticks;
+* ``touch`` (all the prompt's keys, at every lookup and again right after
+  each store the connector makes for the request, as vLLM's offloading
+  scheduler of that time does in ``get_num_new_matched_tokens`` and
+  ``_get_reqs_to_store``; vllm-project/vllm#45405 has the maintainers on
+  these repeated touches): the logical clock ticks;
   each key's ghost score grows by ``weight / log2(position + 2)`` (12 for a
   resident key, 1 for a miss); every session owning a touched resident key
   gets ``hits += 1`` and ``last_touch = now``; every 500 touches session hits
@@ -27,7 +31,10 @@ What it reproduces, call by call, as the offloading connector drives it:
 * score: ``last_touch + 1500 * hits + 30000 / (1 + prefix_depth / 8)``.
 
 GPU-side translation: a block is "stored" when its request is admitted and
-"evictable" while free. A store the gate declines cannot be refused here (the
+"evictable" while free; the store's touch follows (its new blocks are not
+ready yet: misses for the ghost scores). The replay caches no reply blocks,
+so the touches the connector sends as each decoded block is stored are not
+made. A store the gate declines cannot be refused here (the
 prompt must be computed), so its blocks join no session and are reused first,
 least recently freed first. Sessions come from lookups, not from a client's
 conversation id: no client hints. Ghost-score decay is applied lazily (same
@@ -195,7 +202,14 @@ class SessionQueue(PeerQueue):
             sid = session_of[hit_blocks[-1].block_id]
             self._merge_target = sid if sid >= 0 else None
         self._evicted_this_request = False
-        # touch
+        self._touch(hashes, hit_blocks)
+
+    def _touch(
+        self, hashes: Sequence[Any], hit_blocks: Sequence[KVCacheBlock], stored: Sequence[KVCacheBlock] = ()
+    ) -> None:
+        """The source's ``touch`` over a request's keys; ``stored``: its blocks not yet ready."""
+        session_of, sessions = self.session_of, self.sessions
+        not_ready = {b.block_id for b in stored}
         self.logical_time += 1
         primary, ghost = self.resident.primary, self.ghost
         hit_w, miss_w = self.ghost_hit_weight, self.ghost_miss_weight
@@ -209,7 +223,7 @@ class SessionQueue(PeerQueue):
             # The hit prefix is resident: its blocks are the ones lookups find.
             bid = hit_blocks[pos].block_id if pos < n_hit else primary.get(key)
             if bid is not None:
-                amount = weights[pos] * hit_w
+                amount = weights[pos] * (miss_w if bid in not_ready else hit_w)
                 sid = session_of[bid]
                 if sid != last_sid and sid >= 0:
                     touched.add(sid)
@@ -278,6 +292,10 @@ class SessionQueue(PeerQueue):
             stored_seq[bid] = seq
         self._seq = seq
         s.live += len(blocks) - n_hit
+        # The connector touches all the request's keys again right after a
+        # store it accepted: the new blocks are not ready yet (a miss for
+        # their ghost scores) but their session, fresh or merged, is touched.
+        self._touch(hashes, blocks[:n_hit], blocks[n_hit:])
 
     # ---- queue ------------------------------------------------------------------------------
 
