@@ -11,7 +11,10 @@ from importlib import resources
 
 from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.replay.knobs import add_hindsight, choose_settings
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
+from vllm_wa.replay.peers import PEERS, check_setting
+from vllm_wa.replay.progress import ProgressBoard
 from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep
 from vllm_wa.replay.served import replay_config
 from vllm_wa.replay.trace_cache import load_trace_cached
@@ -39,8 +42,33 @@ def _load(path: str, args: argparse.Namespace):
     )
 
 
+_BOARD = ProgressBoard()
+
+
 def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    _BOARD.write(msg)
+
+
+def parse_peer_settings(spec: str | None, policies: list[str]) -> dict[str, float]:
+    """``"tlru=0.8,slru=3"``: fixed knob settings (those peers are not tuned)."""
+    out: dict[str, float] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in PEERS:
+            raise SystemExit(f"--peer-settings takes PEER=VALUE pairs with PEER one of {', '.join(PEERS)}; got {part!r}")
+        knob = PEERS[name].knob
+        if knob is None:
+            raise SystemExit(f"--peer-settings: {name} has no knob")
+        if name not in policies:
+            raise SystemExit(f"--peer-settings: {name} is not among --policies")
+        try:
+            out[name] = check_setting(name, knob.parse(value.strip()))
+        except ValueError as e:
+            raise SystemExit(f"--peer-settings: {e}") from None
+    return out
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -50,6 +78,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    fixed = parse_peer_settings(args.peer_settings, policies)
     tag_swap = None
     if args.tag_swap:
         parts = args.tag_swap.split(",")
@@ -68,6 +97,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     all_results = []
     unique: dict[str, int] = {}
+    choices: dict[str, dict] = {}
+    timing: dict[str, dict[str, float]] = {}
     t_start = time.perf_counter()
     for path in args.traces:
         t0 = time.perf_counter()
@@ -78,6 +109,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             + (" (SYNTHETIC)" if trace.synthetic else "")
             + f", loaded in {time.perf_counter() - t0:.1f}s"
         )
+        timing[trace.name] = {"load_s": time.perf_counter() - t0}
         if trace.fmt == "served":
             # What a benchmark server saw: measured from its first request, with its own service times.
             setup = prepare(trace, policies, replay_config(cfg))
@@ -89,6 +121,32 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"[{path}] evaluation window from t={setup.eval_start:.0f}s: {unique[trace.name]} unique blocks; "
             f"cache sizes {sizes}"
         )
+        setup.peer_settings.update(fixed)
+
+        def on_tuning(r, half="profile"):
+            _progress(
+                f"  {'tuning' if half == 'profile' else 'hindsight'} {r.policy:<8} {_setting(r):<24} "
+                f"{r.cache_blocks:>9} blocks: token hit {100 * r.token_hit_rate:6.2f}% on the {half} half "
+                f"({r.wall_s:.1f}s, {r.cpu_s:.1f}s CPU)"
+            )
+
+        to_tune = [p for p in policies if p not in fixed]
+        t_phase = time.perf_counter()
+        tuned = choose_settings(setup, to_tune, sizes, jobs=args.jobs, on_result=on_tuning, board=_BOARD)
+        choices[trace.name] = tuned
+        if setup.cfg.profile_fraction <= 0 and any(p in PEERS and PEERS[p].knob is not None for p in to_tune):
+            _progress(f"[{path}] no profile half to tune on: peers' knobs at their defaults (see --peer-settings)")
+        for p, c in tuned.items():
+            _progress(f"  {p}: {c.knob}={c.chosen:g}{c.unit} chosen on the profile half at {c.cache_blocks} blocks")
+        if tuned:
+            timing[trace.name]["tuning_s"] = time.perf_counter() - t_phase
+            _progress(f"[{path}] knob tuning took {timing[trace.name]['tuning_s']:.1f}s")
+        if tuned and args.peer_hindsight:
+            t_phase = time.perf_counter()
+            add_hindsight(setup, tuned, jobs=args.jobs, on_result=lambda r: on_tuning(r, "evaluated"), board=_BOARD)
+            timing[trace.name]["hindsight_s"] = time.perf_counter() - t_phase
+            _progress(f"[{path}] hindsight runs took {timing[trace.name]['hindsight_s']:.1f}s (not part of the sweep)")
+        t_phase = time.perf_counter()
         n_tasks = sum(1 if p == "infinite" else len(sizes) for p in policies)
         done = [0]
 
@@ -96,12 +154,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
             done[0] += 1
             _progress(
                 f"  [{done[0]}/{n_tasks}] {r.policy:<10} {r.cache_blocks:>9} blocks: "
-                f"token hit {100 * r.token_hit_rate:6.2f}%  ({r.wall_s:.1f}s)"
+                f"token hit {100 * r.token_hit_rate:6.2f}%  ({r.wall_s:.1f}s, {r.cpu_s:.1f}s CPU)"
             )
 
-        all_results.extend(sweep(setup, policies, sizes, jobs=args.jobs, on_result=on_result))
+        all_results.extend(sweep(setup, policies, sizes, jobs=args.jobs, on_result=on_result, board=_BOARD))
+        timing[trace.name]["sweep_s"] = time.perf_counter() - t_phase
+        timing[trace.name]["total_s"] = time.perf_counter() - t0
+        _progress(f"[{path}] sweep took {timing[trace.name]['sweep_s']:.1f}s")
     elapsed = time.perf_counter() - t_start
-    print(report.format_table(all_results, unique))
+    print(report.format_table(all_results, unique, choices))
     print(f"replay took {elapsed:.1f}s")
     meta = {
         "traces": args.traces,
@@ -112,6 +173,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "tag_swap": args.tag_swap,
         "unique_blocks_eval": unique,
+        "peer_settings": {t: {p: c.to_json() for p, c in cs.items()} for t, cs in choices.items()},
+        "peer_settings_fixed": fixed,
+        "timing_s": timing,
         "elapsed_s": elapsed,
     }
     if args.json:
@@ -121,6 +185,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report.plot(all_results, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _setting(r) -> str:
+    knob = r.extra.get("knob")
+    return f"{knob}={r.extra['setting']:g}" if knob else ""
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -177,6 +246,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         window_seconds=None,
         tag_swap=None,
         jobs=0,
+        peer_settings=None,
+        peer_hindsight=False,
         controller_config=None,
         format=None,
         skip_bad=False,
@@ -208,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-swap", help="A,B: from the evaluation window on, swap tags A and B")
     p.add_argument("--controller-config", help="TOML config of the wa-online controller")
     p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: cores)")
+    p.add_argument(
+        "--peer-settings",
+        help="PEER=VALUE,...: fix peers' knobs instead of tuning them on the profile half "
+        "(knobs: " + ", ".join(f"{n} {s.knob.name}" for n, s in PEERS.items() if s.knob) + ")",
+    )
+    p.add_argument(
+        "--peer-hindsight",
+        action="store_true",
+        help="also replay every knob candidate on the whole trace and report the hindsight-best setting",
+    )
     p.add_argument("--json", help="write per-run records here")
     p.add_argument("--plot", help="write a PNG plot here")
     _add_trace_args(p)

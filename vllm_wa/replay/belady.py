@@ -74,12 +74,14 @@ class BeladyFreeQueue:
         self.next_use = [NEVER] * n
         self._version = [0] * n
         self._is_free = bytearray(n)
-        self._buckets: dict[int, deque[tuple[int, int]]] = {}
+        # Bucket entries are ``version << id_bits | block id``.
+        self._buckets: dict[int, deque[int]] = {}
+        self.id_bits = max(1, n.bit_length())
         self._keys: list[int] = []  # max-heap (negated) of bucket keys
         self._entries = 0
         self._fresh: list[KVCacheBlock] = []  # blocks without a hash, evicted first
         self._orphans: list[KVCacheBlock] = []  # free blocks whose parent was evicted
-        self._blocks: dict[int, KVCacheBlock] = {}
+        self._blocks: list[KVCacheBlock | None] = [None] * n
         # Prefix links recorded by the oracle: the parent block and the hash it
         # held, and each block's children.
         self.parent: list[tuple[KVCacheBlock, object] | None] = [None] * n
@@ -104,7 +106,7 @@ class BeladyFreeQueue:
         if bucket is None:
             bucket = self._buckets[key] = deque()
             heapq.heappush(self._keys, -key)
-        bucket.append((bid, ver))
+        bucket.append((ver << self.id_bits) | bid)
         self._entries += 1
 
     def rekey(self, b: KVCacheBlock) -> None:
@@ -129,7 +131,8 @@ class BeladyFreeQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         version, is_free, parent, next_use = self._version, self._is_free, self.parent, self.next_use
-        buckets, blocks_by_id = self._buckets, self._blocks
+        buckets, blocks_by_id, shift = self._buckets, self._blocks, self.id_bits
+        last_key, bucket = None, None  # a prompt's blocks mostly share their next use
         for b in blocks:
             bid = b.block_id
             if b._block_hash is None:
@@ -145,11 +148,13 @@ class BeladyFreeQueue:
                 self._orphans.append(b)
                 continue
             key = next_use[bid]
-            bucket = buckets.get(key)
-            if bucket is None:
-                bucket = buckets[key] = deque()
-                heapq.heappush(self._keys, -key)
-            bucket.append((bid, ver))
+            if key != last_key:
+                last_key = key
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = deque()
+                    heapq.heappush(self._keys, -key)
+            bucket.append((ver << shift) | bid)
         self._entries += len(blocks)
         self.num_free_blocks += len(blocks)
 
@@ -171,6 +176,19 @@ class BeladyFreeQueue:
         self.num_free_blocks -= 1
         # (a stale entry in _orphans is skipped when popped: it is not free)
 
+    def remove_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``remove`` on each block in turn."""
+        is_free, version = self._is_free, self._version
+        for block in blocks:
+            bid = block.block_id
+            if not is_free[bid]:
+                raise RuntimeError(f"remove() called on a block that is not free: {bid}")
+            is_free[bid] = 0
+            version[bid] += 1
+            if block._block_hash is None:
+                self._fresh.remove(block)
+        self.num_free_blocks -= len(blocks)
+
     def popleft(self) -> KVCacheBlock:
         if self.num_free_blocks <= 0:
             raise ValueError("No free blocks available")
@@ -181,6 +199,9 @@ class BeladyFreeQueue:
         out: list[KVCacheBlock] = []
         fresh, version, is_free = self._fresh, self._version, self._is_free
         orphans, buckets, keys, blocks = self._orphans, self._buckets, self._keys, self._blocks
+        children = self.children
+        shift = self.id_bits
+        mask = (1 << shift) - 1
         while len(out) < n and fresh:
             b = fresh.pop()
             is_free[b.block_id] = 0
@@ -197,23 +218,26 @@ class BeladyFreeQueue:
                     del buckets[key]
                     heapq.heappop(keys)
                     continue
-                bid, ver = bucket.popleft()
+                e = bucket.popleft()
+                bid = e & mask
                 self._entries -= 1
-                if ver != version[bid] or not is_free[bid]:
+                if e >> shift != version[bid] or not is_free[bid]:
                     continue
                 b = blocks[bid]
             is_free[b.block_id] = 0
             out.append(b)
-            self._orphan_children(b)
+            if b.block_id in children:
+                self._orphan_children(b)
         self.num_free_blocks -= n
         if self._entries > 4 * (self.num_free_blocks + 1024):
             self._compact()
         return out
 
     def _compact(self) -> None:
-        version, is_free = self._version, self._is_free
+        version, is_free, shift = self._version, self._is_free, self.id_bits
+        mask = (1 << shift) - 1
         for key, bucket in list(self._buckets.items()):
-            live = deque(e for e in bucket if e[1] == version[e[0]] and is_free[e[0]])
+            live = deque(e for e in bucket if e >> shift == version[e & mask] and is_free[e & mask])
             if live:
                 self._buckets[key] = live
             else:
@@ -225,9 +249,11 @@ class BeladyFreeQueue:
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         yield from reversed(self._fresh)
         yield from (b for b in reversed(self._orphans) if self._is_free[b.block_id])
+        mask = (1 << self.id_bits) - 1
         for key in sorted(self._buckets, reverse=True):
-            for bid, ver in self._buckets[key]:
-                if ver == self._version[bid] and self._is_free[bid]:
+            for e in self._buckets[key]:
+                bid = e & mask
+                if e >> self.id_bits == self._version[bid] and self._is_free[bid]:
                     yield self._blocks[bid]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:

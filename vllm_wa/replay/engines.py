@@ -33,21 +33,29 @@ class FastEngine:
         self.policy = policy
         self.clock = clock
         self.cache = SimPrefixCache(num_blocks, policy.queue_factory(clock))
-        self.cache.hooks = policy.tagger
+        self.hooks = policy.request_hooks
+        self.cache.hooks = policy.tagger if policy.tagger is not None else self.hooks
         self.cache.oracle = policy.oracle
 
     def admit(self, index: int, req: TraceRequest) -> int:
         """Serve a request's prompt; returns its hit blocks, or -1 if it did not fit."""
-        tagger = self.policy.tagger
-        tags = tagger.request_tags(req.request_id, req.tag) if tagger is not None else None
-        return self.cache.admit(req.request_id, req.hash_ids, self.clock.t, tags, index)
+        tagger, hooks = self.policy.tagger, self.hooks
+        if tagger is not None:
+            info = tagger.request_tags(req.request_id, req.tag)
+        else:
+            info = self.policy.request_info(req)
+        n_hit = self.cache.admit(req.request_id, req.hash_ids, self.clock.t, info, index)
+        if n_hit >= 0 and hooks is not None:
+            hooks.on_admitted(info, self.cache.pool.held[req.request_id], n_hit, self.clock.t)
+        return n_hit
 
     def release(self, req: TraceRequest) -> None:
         tagger = self.policy.tagger
-        tags = None
         if tagger is not None:
-            tags = tagger.request_tags(req.request_id, req.tag, _outcome(req), req.output_tokens)
-        self.cache.release(req.request_id, self.clock.t, tags)
+            info = tagger.request_tags(req.request_id, req.tag, _outcome(req), req.output_tokens)
+        else:
+            info = self.policy.request_info(req, finished=True)
+        self.cache.release(req.request_id, self.clock.t, info)
 
 
 class VLLMEngine:
@@ -80,6 +88,8 @@ class VLLMEngine:
         max_len = max(len(r.hash_ids) for r in trace.requests) * k + 1
         self.manager = model_free_kv_cache_manager(num_blocks, k, max_len)
         policy.install_vllm(self.manager.block_pool, clock)
+        # Peers' hooks are called here; the WA tagger is wrapped into the manager.
+        self.hooks = policy.request_hooks
         self._live: dict[str, Any] = {}
 
     def _request(self, req: TraceRequest) -> Any:
@@ -100,22 +110,30 @@ class VLLMEngine:
 
     def admit(self, index: int, req: TraceRequest) -> int:
         m = self.manager
-        oracle = self.policy.oracle
+        oracle, hooks, now = self.policy.oracle, self.hooks, self.clock.t
         vreq = self._request(req)
         blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
         n_hit = n_hit_tokens // self.k
         if oracle is not None:
             oracle.on_arrival(index, req.hash_ids, n_hit)
+        info = None
+        if hooks is not None:
+            info = self.policy.request_info(req)
+            hooks.on_lookup(info, blocks.blocks[0] if blocks.blocks else [], req.hash_ids, now)
         new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
         if new is None:
             m.free(vreq)  # nothing is held; lets the hooks forget the lookup
             if oracle is not None:
                 oracle.on_arrival(index, req.hash_ids, 0, n_hit)
+            if hooks is not None:
+                hooks.forget(req.request_id, now)
             return -1
         vreq.num_computed_tokens = vreq.num_tokens
         self._live[req.request_id] = vreq
-        if self.policy.oracle is not None:
+        if oracle is not None:
             oracle.on_admitted(index, m.coordinator.get_blocks(req.request_id)[0], req.hash_ids, n_hit)
+        if hooks is not None:
+            hooks.on_admitted(info, m.coordinator.get_blocks(req.request_id)[0], n_hit, now)
         return n_hit
 
     def release(self, req: TraceRequest) -> None:
@@ -126,6 +144,9 @@ class VLLMEngine:
         if tagger is not None and req.outcome is not None:
             # What the API server would report once it parsed the reply.
             tagger.reclassify(req.request_id, req.outcome)
+        if self.hooks is not None:
+            blocks = self.manager.coordinator.get_blocks(req.request_id)[0]
+            self.hooks.on_free(self.policy.request_info(req, finished=True), blocks, self.clock.t)
         vreq.status = RequestStatus.FINISHED_STOPPED
         self.manager.free(vreq)
 

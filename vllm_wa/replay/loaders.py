@@ -126,7 +126,7 @@ def cut_trace(trace: Trace, cut: float) -> Trace:
     """The requests arriving less than ``cut`` s after the trace's first one."""
     limit = trace.start + cut
     kept = [r for r in trace.requests if r.arrival < limit]
-    out = Trace(trace.name, trace.block_size, kept, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    out = trace.with_requests(kept)
     out.notes.append(f"cut at {cut:g} s after the first request ({len(kept)} of {len(trace.requests)} requests)")
     return out
 
@@ -222,6 +222,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
         )
     trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path)
     trace.synthetic = synthetic
+    trace.conversations = True
     return trace
 
 
@@ -364,6 +365,7 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
             raise TraceFormatError(where, str(e)) from None
         reqs.extend(part)
     trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path)
+    trace.conversations = True
     trace.notes.append(
         f"{len(files)} conversations, offsets uniform in [0, {opts.window:g}] s (seed {opts.seed}), cut at {opts.cut:g} s"
     )

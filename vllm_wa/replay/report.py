@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.runner import RunResult
 
 
@@ -31,7 +32,40 @@ def records(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     return out
 
 
-def format_table(results: Sequence[RunResult], unique_blocks: dict[str, int] | None = None) -> str:
+def _peer_notes(rs: Sequence[RunResult], choices: dict[str, Any] | None) -> list[str]:
+    """Which peers read client hints, and the knob setting each ran at."""
+    lines = []
+    hinted = {r.policy: r.extra for r in rs if r.extra.get("client_hints")}
+    if hinted:
+        parts = []
+        for p, x in hinted.items():
+            missing = x.get("client_hints_missing") or []
+            text = f"{p} reads {', '.join(x['client_hints'])}"
+            if missing:
+                text += f" (this trace has no {' and no '.join(missing)}: it ran without)"
+            parts.append(text)
+        lines.append("* client hints from the trace: " + "; ".join(parts) + "; no other policy uses any")
+    for p in dict.fromkeys(r.policy for r in rs if r.extra.get("knob")):
+        r = next(x for x in rs if x.policy == p)
+        c = (choices or {}).get(p)
+        text = f"  {p}: {r.extra['knob']}={r.extra['setting']:g}"
+        if c is None:  # not tuned: fixed by --peer-settings, or no profile half to tune on
+            text += " (default)" if r.extra["setting"] == PEERS[p].knob.default else " (fixed)"
+        else:
+            text += f"{c.unit}, chosen on the profile half at {c.cache_blocks} blocks"
+            if c.hindsight_best is not None:
+                best = c.hindsight_best
+                gain = 100 * (c.hindsight[best] - c.hindsight[c.chosen])
+                text += f"; hindsight best on the evaluated half: {best:g}{c.unit} (+{gain:.2f} points there)"
+        lines.append(text)
+    return lines
+
+
+def format_table(
+    results: Sequence[RunResult],
+    unique_blocks: dict[str, int] | None = None,
+    choices: dict[str, dict[str, Any]] | None = None,
+) -> str:
     lines = []
     for trace in dict.fromkeys(r.trace for r in results):
         rs = [r for r in results if r.trace == trace]
@@ -41,7 +75,7 @@ def format_table(results: Sequence[RunResult], unique_blocks: dict[str, int] | N
         uniq = (unique_blocks or {}).get(trace)
         head = f"{'policy':<12}" + "".join(
             f"{(f'{n} blk' + (f' ({100 * n / uniq:.0f}%)' if uniq else '')):>26}" for n in sizes
-        )
+        ) + f"{'mean gap closed':>17}"
         lines.append(head)
         by = {(r.policy, r.cache_blocks): r for r in rs}
         for p in policies:
@@ -52,6 +86,7 @@ def format_table(results: Sequence[RunResult], unique_blocks: dict[str, int] | N
                 )
                 continue
             cells = []
+            gaps = []
             for n in sizes:
                 r = by.get((p, n))
                 if r is None:
@@ -59,14 +94,19 @@ def format_table(results: Sequence[RunResult], unique_blocks: dict[str, int] | N
                     continue
                 g = gap_closed(results, r)
                 gs = f" [{100 * g:+.1f}%]" if g is not None and p not in ("lru", "opt") else ""
+                if gs:
+                    gaps.append(g)
                 cells.append(f"{f'{100 * r.token_hit_rate:.2f} ({100 * r.block_hit_rate:.2f}){gs}':>26}")
-            lines.append(f"{p:<12}" + "".join(cells))
+            cells.append(f"{f'{100 * sum(gaps) / len(gaps):+.1f}%':>17}" if gaps else "")
+            hinted = any(r.extra.get("client_hints") for r in rs if r.policy == p)
+            lines.append(f"{p + ('*' if hinted else ''):<12}" + "".join(cells))
         over = {r.cache_blocks: r.overflow for r in rs if r.policy == "lru"}
         if any(over.values()):
             lines.append(
                 "overflow (requests whose pinned blocks did not fit, counted as misses): "
                 + ", ".join(f"{n} blk: {o}" for n, o in sorted(over.items()))
             )
+        lines.extend(_peer_notes(rs, (choices or {}).get(trace)))
         lines.append("")
     return "\n".join(lines)
 

@@ -23,8 +23,10 @@ from vllm_wa.replay.belady import next_use_table
 from vllm_wa.replay.engines import make_engine
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.online_policy import OnlineWAPolicy
-from vllm_wa.replay.policies import POLICIES, OptPolicy, ReplayPolicy, StaticWAPolicy
+from vllm_wa.replay.peers import PEERS
+from vllm_wa.replay.policies import POLICIES, OptPolicy, PeerPolicy, ReplayPolicy, StaticWAPolicy
 from vllm_wa.replay.profile import profile_trace
+from vllm_wa.replay.progress import REPORT_EVERY, ProgressBoard, RunReporter
 from vllm_wa.replay.trace import Trace
 from vllm_wa.sim.clock import SettableClock
 
@@ -44,6 +46,7 @@ class RunResult:
     hit_blocks: int = 0
     prompt_blocks: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the run (wall_s includes waiting for a core)
     windows: list[dict[str, float]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -88,7 +91,7 @@ def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
         if r.arrival >= since and r.tag in (a, b):
             r = replace(r, tag=b if r.tag == a else a)
         out.append(r)
-    return Trace(trace.name, trace.block_size, out, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    return trace.with_requests(out)
 
 
 def run_one(
@@ -107,7 +110,7 @@ def run_one(
     res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
     win = cfg.window_seconds
     win_hits: dict[int, list[int]] = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # The replay allocates millions of small long-lived objects; the cyclic
     # collector would rescan them all again and again (3x slower runs).
     gc_was_enabled = gc.isenabled()
@@ -118,6 +121,7 @@ def run_one(
         if gc_was_enabled:
             gc.enable()
     res.wall_s = time.perf_counter() - t0
+    res.cpu_s = time.process_time() - c0
     if win is not None:
         res.windows = [
             {"start": trace.start + k * win, "token_hit_rate": h / p if p else 0.0, "prompt_tokens": p}
@@ -169,10 +173,10 @@ def _replay_loop(
             w = win_hits.setdefault(int((t - trace.start) // win), [0, 0])
             w[0] += hit_tokens
             w[1] += req.input_tokens
-        if progress is not None and i % 1000 == 999:
-            progress(1000)
+        if progress is not None and i % REPORT_EVERY == REPORT_EVERY - 1:
+            progress(REPORT_EVERY)
     if progress is not None:
-        progress(len(reqs) % 1000)
+        progress(len(reqs) % REPORT_EVERY)
 
 
 # ---- sweeps ------------------------------------------------------------------------------
@@ -189,9 +193,8 @@ class SweepSetup:
     reprofiled_params: WAParams | None = None
     next_req: Any = None
     offsets: Any = None
-
-
-_SETUP: SweepSetup | None = None
+    # Knob setting of each peer that has one (chosen on the profile half).
+    peer_settings: dict[str, float] = field(default_factory=dict)
 
 
 def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSetup:
@@ -213,7 +216,25 @@ def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSe
     return setup
 
 
+def make_peer(name: str, setup: SweepSetup, setting: float | None = None) -> PeerPolicy:
+    """Peer ``name`` at ``setting`` (default: the setup's chosen one, else the knob's default)."""
+    spec = PEERS[name]
+    if setting is None and spec.knob is not None:
+        setting = setup.peer_settings.get(name, spec.knob.default)
+    return PeerPolicy(
+        name,
+        spec=spec,
+        setting=setting,
+        block_size=setup.trace.block_size,
+        conversations=setup.trace.conversations,
+        outcomes=setup.trace.has_outcomes,
+        prefill_tokens_per_s=setup.cfg.lifetime.prefill_tokens_per_s,
+    )
+
+
 def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
+    if name in PEERS:
+        return make_peer(name, setup)
     if name == "lru":
         return ReplayPolicy("lru")
     if name == "infinite":
@@ -229,11 +250,79 @@ def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
     raise ValueError(f"unknown policy {name!r}")
 
 
-def _run_task(task: tuple[str, int]) -> RunResult:
-    assert _SETUP is not None
-    name, blocks = task
-    s = _SETUP
-    return run_one(s.trace, make_policy(name, s), blocks, s.cfg, s.eval_start)
+@dataclass(frozen=True)
+class Task:
+    """One run: a policy at a cache size (a peer at a given knob setting, if set)."""
+
+    policy: str
+    blocks: int
+    setting: float | None = None
+
+    def label(self) -> str:
+        knob = PEERS[self.policy].knob if self.policy in PEERS else None
+        setting = f" {knob.label(self.setting)}" if knob is not None and self.setting is not None else ""
+        return f"{self.policy}{setting} @{self.blocks}"
+
+
+# Cost of a run relative to LRU's, to start the longest first.
+RUN_COST = {"wa-online": 6, "opt": 3, "arc": 2.5, "session": 2, "wa-offline": 2, "wa-reprofiled": 2}
+
+# What forked workers run: the setup and where progress goes.
+_RUN: tuple[SweepSetup, Any] | None = None
+
+
+def _run_task(item: tuple[int, Task]) -> RunResult:
+    assert _RUN is not None
+    setup, sink = _RUN
+    run, task = item
+    if task.setting is not None:
+        policy = make_peer(task.policy, setup, task.setting)
+    else:
+        policy = make_policy(task.policy, setup)
+    reporter = RunReporter(sink, run, task.label(), len(setup.trace.requests)) if sink is not None else None
+    try:
+        return run_one(setup.trace, policy, task.blocks, setup.cfg, setup.eval_start, progress=reporter)
+    finally:
+        if reporter is not None:
+            reporter.close()
+
+
+def run_tasks(
+    setup: SweepSetup,
+    tasks: Sequence[Task],
+    jobs: int = 0,
+    on_result: Callable[[RunResult], None] | None = None,
+    board: ProgressBoard | None = None,
+) -> list[RunResult]:
+    """Run ``tasks`` (costliest first, in ``jobs`` processes); results in completion order."""
+    global _RUN
+    order = sorted(enumerate(tasks), key=lambda it: -RUN_COST.get(it[1].policy, 1))
+    jobs = jobs or min(len(order), os.cpu_count() or 1)
+    results: list[RunResult] = []
+    live = board is not None and board.enabled
+    try:
+        if jobs <= 1 or len(order) <= 1:
+            _RUN = (setup, board if live else None)
+            for item in order:
+                r = _run_task(item)
+                results.append(r)
+                if on_result:
+                    on_result(r)
+        else:
+            ctx = mp.get_context("fork")
+            _RUN = (setup, board.open_queue(ctx) if live else None)
+            with ctx.Pool(jobs) as pool:
+                if live:
+                    board.drain_in_background()
+                for r in pool.imap_unordered(_run_task, order):
+                    results.append(r)
+                    if on_result:
+                        on_result(r)
+    finally:
+        _RUN = None
+        if live:
+            board.close()
+    return results
 
 
 def sweep(
@@ -242,33 +331,11 @@ def sweep(
     sizes: Sequence[int],
     jobs: int = 0,
     on_result: Callable[[RunResult], None] | None = None,
+    board: ProgressBoard | None = None,
 ) -> list[RunResult]:
     """Run every (policy, size); ``infinite`` runs once. Parallel over processes."""
-    global _SETUP
-    tasks: list[tuple[str, int]] = []
-    for p in policies:
-        for n in [sizes[-1]] if p == "infinite" else sizes:
-            tasks.append((p, n))
-    # Longest first: Belady and the online controller cost the most.
-    cost = {"opt": 3, "wa-online": 4, "wa-offline": 2, "wa-reprofiled": 2, "lru": 1, "infinite": 1}
-    tasks.sort(key=lambda t: -cost.get(t[0], 1))
-    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
-    _SETUP = setup
-    results: list[RunResult] = []
-    if jobs <= 1 or len(tasks) == 1:
-        for t in tasks:
-            r = _run_task(t)
-            results.append(r)
-            if on_result:
-                on_result(r)
-    else:
-        ctx = mp.get_context("fork")
-        with ctx.Pool(jobs) as pool:
-            for r in pool.imap_unordered(_run_task, tasks):
-                results.append(r)
-                if on_result:
-                    on_result(r)
-    _SETUP = None
+    tasks = [Task(p, n) for p in policies for n in ([sizes[-1]] if p == "infinite" else sizes)]
+    results = run_tasks(setup, tasks, jobs, on_result, board)
     order = {p: i for i, p in enumerate(policies)}
     results.sort(key=lambda r: (order[r.policy], r.cache_blocks))
     return results

@@ -12,7 +12,10 @@ left out (counted in the notes).
 client sent (so even the block hashes equal the server's), and the reply's
 tokens occupying KV slots as they did on the server (all generated tokens but
 the last), so partly filled reply blocks take space without ever being
-prefix hits.
+prefix hits.  Peer policies are told about the blocks vLLM caches: the full
+prompt blocks by their trace hash ids (what the server's lookups match), the
+full blocks past them (the prompt's tail filled up by the reply, the reply's
+own) by keys of their own request, which no later prompt can hit.
 
 What it cannot model: the exact interleaving of lookups and frees within one
 engine step (it orders them by the estimated times above), chunked prefill
@@ -27,11 +30,11 @@ from array import array
 from dataclasses import replace
 from typing import Any
 
-from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.sim.token_ids import FIRST_TOKEN, prompt_token_ids
 
 FORMAT = "vllm-wa-bench-serve"  # what vllm_wa.bench.results writes
@@ -112,6 +115,8 @@ def load_served(path: str) -> Trace:
     reqs.sort(key=lambda r: r.arrival)
     server = d.get("server") or {}
     trace = Trace(f"{d.get('label', 'served')}:{d.get('trace', '')}", bs, reqs, FMT)
+    # The client sent the source trace's conversations (none: all -1, as Mooncake's).
+    trace.conversations = any(r.conversation >= 0 for r in reqs)
     trace.notes.append(
         f"served by {server.get('url')} ({server.get('num_gpu_blocks')} blocks of {bs} tokens): "
         f"{len(reqs)} completed requests, {failed} failed left out"
@@ -139,6 +144,7 @@ class ServedEngine:
         max_len = max(r.input_tokens + r.output_tokens for r in trace.requests) + 1
         self.manager = model_free_kv_cache_manager(num_blocks, self.bs, max_len)
         policy.install_vllm(self.manager.block_pool, clock)
+        self.hooks = policy.request_hooks  # a peer's (the WA tagger is wrapped into the manager)
         self._live: dict[str, Any] = {}
 
     def _request(self, req: TraceRequest) -> Any:
@@ -155,19 +161,40 @@ class ServedEngine:
             block_hasher=self._hasher,
         )
 
+    def _cached_with_keys(self, req: TraceRequest) -> tuple[list[Any], list[Any]]:
+        """The request's cached (full) blocks and a peer's key for each.
+
+        A partly filled last block is left out: the pool hands it out again
+        without an eviction, so a peer must never index it.
+        """
+        held = self.manager.coordinator.get_blocks(req.request_id)[0]
+        n = len(held)
+        while n and held[n - 1].block_hash is None:
+            n -= 1
+        full = req.input_tokens // self.bs
+        keys = [*req.hash_ids[: min(full, n)], *((req.request_id, j) for j in range(full, n))]
+        return held[:n], keys
+
     def admit(self, index: int, req: TraceRequest) -> int:
         m = self.manager
-        oracle = self.policy.oracle
+        oracle, hooks, now = self.policy.oracle, self.hooks, self.clock.t
         vreq = self._request(req)
         blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
         n_hit = n_hit_tokens // self.bs
         if oracle is not None:
             oracle.on_arrival(index, req.hash_ids, n_hit)
+        info = None
+        if hooks is not None:
+            info = self.policy.request_info(req)
+            full = req.hash_ids[: req.input_tokens // self.bs]
+            hooks.on_lookup(info, blocks.blocks[0] if blocks.blocks else [], full, now)
         new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
         if new is None:
             m.free(vreq)
             if oracle is not None:
                 oracle.on_arrival(index, req.hash_ids, 0, n_hit)
+            if hooks is not None:
+                hooks.forget(req.request_id, now)
             return -1
         vreq.num_computed_tokens = vreq.num_tokens
         if oracle is not None:
@@ -178,6 +205,9 @@ class ServedEngine:
             vreq.append_output_token_ids([FIRST_TOKEN] * n_kv)
             if m.allocate_slots(vreq, n_kv) is not None:
                 vreq.num_computed_tokens += n_kv
+        if hooks is not None:
+            cached, keys = self._cached_with_keys(req)
+            hooks.on_admitted(replace(info, hashes=keys), cached, n_hit, now)
         self._live[req.request_id] = vreq
         return n_hit
 
@@ -189,5 +219,8 @@ class ServedEngine:
         if tagger is not None and req.outcome is not None:
             # The server's engine learned the outcome (hint) before the request finished.
             tagger.reclassify(req.request_id, req.outcome)
+        if self.hooks is not None:
+            blocks = self.manager.coordinator.get_blocks(req.request_id)[0]
+            self.hooks.on_free(self.policy.request_info(req, finished=True), blocks, self.clock.t)
         vreq.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self.manager.free(vreq)

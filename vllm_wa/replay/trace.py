@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -40,6 +40,9 @@ class Trace:
     synthetic: bool = False
     skipped_lines: int = 0
     notes: list[str] = field(default_factory=list)
+    # Whether ``TraceRequest.conversation`` identifies conversations (a client
+    # hint some peer policies read); Mooncake traces have none.
+    conversations: bool = False
 
     @property
     def start(self) -> float:
@@ -63,6 +66,19 @@ class Trace:
     def tags(self) -> list[str]:
         return sorted({r.tag for r in self.requests})
 
+    @property
+    def has_outcomes(self) -> bool:
+        """Whether any request says how its reply ended (a client hint for some peers)."""
+        return any(r.outcome is not None for r in self.requests)
+
+    def with_requests(self, requests: list[TraceRequest]) -> Trace:
+        """The same trace (name, format, notes) with other requests."""
+        return replace(self, requests=requests, notes=list(self.notes))
+
     def head(self, n: int) -> Trace:
         """The first ``n`` requests, as a trace of their own."""
-        return Trace(self.name, self.block_size, self.requests[:n], self.fmt, self.synthetic)
+        return self.with_requests(self.requests[:n])
+
+    def until(self, t: float) -> Trace:
+        """The requests arriving before ``t``, as a trace of their own."""
+        return self.with_requests([r for r in self.requests if r.arrival < t])

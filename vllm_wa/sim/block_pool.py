@@ -2,7 +2,8 @@
 
 It runs the very same free-queue objects as the engine (vLLM's
 ``FreeKVCacheBlockQueue``, :class:`WorkloadAwareFreeQueue`, the Belady queue)
-over real ``KVCacheBlock`` objects, and mirrors the order of operations of
+over real ``KVCacheBlock`` objects (a queue may offer ``remove_n``, the
+same as ``remove`` on each block in turn, to take a prompt's hits at once), and mirrors the order of operations of
 ``KVCacheManager`` for a single full-attention group: look the prompt up
 (the last block is never a hit, as vLLM recomputes it for logits), check that
 new blocks plus touched free hits fit, touch the hits, pop new blocks
@@ -15,6 +16,8 @@ Hashes here are the trace's integer block ids (or any hashable).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from operator import is_
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -56,21 +59,18 @@ class SimBlockPool:
 
     def lookup(self, hashes: Sequence[Any]) -> list[KVCacheBlock]:
         """Cached blocks of a prompt: its longest cached prefix, minus the last block."""
-        cached = self.cached
-        out: list[KVCacheBlock] = []
         limit = len(hashes) if self.last_block_hits else len(hashes) - 1
+        if limit <= 0:
+            return []
+        # C-level passes over the prompt, then a cut at the first miss (``is``:
+        # blocks compare by value, which would cost a Python call each).
+        found = list(map(self.cached.get, hashes[:limit]))
         if self.prefix_hits:
-            for i in range(limit):
-                b = cached.get(hashes[i])
-                if b is None:
-                    break
-                out.append(b)
-        else:
-            for i in range(limit):
-                b = cached.get(hashes[i])
-                if b is not None:
-                    out.append(b)
-        return out
+            missed = list(map(is_, found, repeat(None)))
+            if True in missed:
+                del found[missed.index(True):]
+            return found
+        return [b for b in found if b is not None]
 
     def allocate(self, rid: str, hashes: Sequence[Any], hits: list[KVCacheBlock]) -> bool:
         """Pin ``hits`` and new blocks for the rest of the prompt; False if it does not fit."""
@@ -81,28 +81,39 @@ class SimBlockPool:
             hit_set = {b._block_hash for b in hits}
             misses = [h for h in hashes if h not in hit_set]
         n_new = len(misses)
-        evictable = 0
-        for b in hits:
-            if b.ref_cnt == 0:
-                evictable += 1
+        evictable = [b.ref_cnt for b in hits].count(0)
         if n_new + evictable > queue.num_free_blocks:
             return False
-        remove = queue.remove
-        for b in hits:
-            if b.ref_cnt == 0:
-                remove(b)
-            b.ref_cnt += 1
+        if evictable:
+            # A queue may take the free hits in one call (same order, same effect).
+            remove_n = getattr(queue, "remove_n", None)
+            if remove_n is not None:
+                remove_n([b for b in hits if not b.ref_cnt])
+                for b in hits:
+                    b.ref_cnt += 1
+            else:
+                remove = queue.remove
+                for b in hits:
+                    if b.ref_cnt == 0:
+                        remove(b)
+                    b.ref_cnt += 1
+        else:
+            for b in hits:
+                b.ref_cnt += 1
         new = queue.popleft_n(n_new)
-        cached = self.cached
+        cached, dups = self.cached, self._dups
         for b, h in zip(new, misses):
-            if b._block_hash is not None:
-                self._uncache(b)
+            old = b._block_hash
+            if old is not None:
+                # Without duplicates the block is the one lookups find.
+                if dups and old in dups:
+                    self._uncache(b)
+                else:
+                    del cached[old]
             b.ref_cnt = 1
             b._block_hash = h
-            if h in cached:
-                self._dups.setdefault(h, []).append(b)
-            else:
-                cached[h] = b
+            if cached.setdefault(h, b) is not b:
+                dups.setdefault(h, []).append(b)
         if self.prefix_hits:
             hits.extend(new)
             self.held[rid] = hits
@@ -130,12 +141,9 @@ class SimBlockPool:
     def release(self, rid: str) -> list[KVCacheBlock]:
         """Free a request's blocks, tail first (like ``KVCacheManager.free``)."""
         blocks = self.held.pop(rid)
-        freed = []
-        for b in reversed(blocks):
+        for b in blocks:
             b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                freed.append(b)
-        self.queue.append_n(freed)
+        self.queue.append_n([b for b in reversed(blocks) if not b.ref_cnt])
         return blocks
 
     def held_blocks(self, rid: str) -> list[KVCacheBlock]:

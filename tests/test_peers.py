@@ -1,0 +1,457 @@
+"""Peer policies: each one on a small hand-made sequence where it differs from LRU."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from vllm_wa.replay.engines import FastEngine
+from vllm_wa.replay.peers import PEERS
+from vllm_wa.replay.peers.session import GhostScores
+from vllm_wa.replay.peers.ttl_tool import best_ttl, exponential_ttl
+from vllm_wa.replay.policies import PeerPolicy, ReplayPolicy
+from vllm_wa.replay.trace import TraceRequest
+from vllm_wa.sim.clock import SettableClock
+
+BS = 16
+
+
+class Harness:
+    """A fast-engine pool of ``usable`` blocks driven request by request."""
+
+    def __init__(self, policy: ReplayPolicy, usable: int) -> None:
+        self.policy = policy
+        self.clock = SettableClock(0.0)
+        self.engine = FastEngine(None, policy, usable + 1, self.clock)  # + vLLM's null block
+        self.live: dict[str, TraceRequest] = {}
+        self.n = 0
+
+    def admit(self, hashes, t, conversation=-1, outcome=None, output_tokens=5) -> tuple[str, int]:
+        self.n += 1
+        req = TraceRequest(
+            f"r{self.n}", t, array("q", hashes), len(hashes) * BS, output_tokens,
+            conversation=conversation, outcome=outcome,
+        )
+        self._at(t)
+        hits = self.engine.admit(self.n, req)
+        assert hits >= 0, "did not fit"
+        self.live[req.request_id] = req
+        return req.request_id, hits
+
+    def release(self, rid: str, t: float) -> None:
+        self._at(t)
+        self.engine.release(self.live.pop(rid))
+
+    def run(self, hashes, t, **kw) -> int:
+        """Admit and release at once; the prompt's hit blocks."""
+        rid, hits = self.admit(hashes, t, **kw)
+        self.release(rid, t)
+        return hits
+
+    def _at(self, t: float) -> None:
+        self.clock.t = t
+        self.policy.advance(t)
+
+
+def peer(name: str, setting=None, conversations: bool = True) -> PeerPolicy:
+    spec = PEERS[name]
+    if setting is None and spec.knob is not None:
+        setting = spec.knob.default
+    return PeerPolicy(name, spec=spec, setting=setting, block_size=BS, conversations=conversations)
+
+
+def both(name: str, usable: int, script, **kw) -> tuple[int, int]:
+    """``script(harness)``'s result under LRU and under the peer."""
+    return script(Harness(ReplayPolicy("lru"), usable)), script(Harness(peer(name, **kw), usable))
+
+
+def scan_after_reuse(h: Harness) -> int:
+    """[1,2] is used by two requests, then a scan of one-time prompts; is it still cached?"""
+    h.run([1, 2, 3], 1.0)
+    h.run([1, 2, 4], 2.0)
+    h.run([10, 11, 12], 3.0)
+    h.run([20, 21, 22], 4.0)
+    return h.run([1, 2, 9], 5.0)
+
+
+def test_arc_keeps_blocks_used_twice_through_a_scan():
+    lru, arc = both("arc", 6, scan_after_reuse)
+    assert (lru, arc) == (0, 2)
+
+
+def test_arc_ghost_hits_grow_t1_target():
+    h = Harness(peer("arc"), 4)
+    h.run([1, 2, 3], 1.0)  # T1 = {1,2,3}, head most recent once it finished
+    h.run([5, 6, 7], 2.0)  # evicts from T1, tail first: 3, 2 go to the ghost list B1
+    q = h.policy.queue
+    assert set(q.b1) == {2, 3} and q.target_t1_size == 0
+    assert h.run([1, 2, 3, 8], 3.0) == 1  # store misses 2, 3 are ghosts in B1
+    assert q.target_t1_size == 2
+
+
+def test_arc_evicts_a_prompt_tail_before_its_head():
+    # vLLM 0.32 ARCCachePolicy.on_request_finished walks the request's keys in
+    # reverse, so its head ends most recent; evicting the head first would
+    # orphan the whole chain (no later prompt could reach its tail).
+    lru, arc = both("arc", 4, lambda h: (h.run([1, 2, 3], 1.0), h.run([5, 6], 2.0), h.run([1, 2, 3], 3.0))[-1])
+    assert lru == arc == 2
+
+
+def test_arc_store_is_not_a_frequency_hit_reuse_is():
+    h = Harness(peer("arc"), 8)
+    q = h.policy.queue
+    rid, _ = h.admit([1, 2, 3], 1.0)
+    h.release(rid, 1.0)
+    assert (q.t1_size, q.t2_size) == (3, 0)  # inserted only: stays in T1
+    rid, hits = h.admit([1, 2, 4], 2.0)
+    assert hits == 2 and (q.t1_size, q.t2_size) == (4, 0)  # promoted when it finishes
+    h.release(rid, 2.0)
+    assert (q.t1_size, q.t2_size) == (2, 2)
+
+
+def looping_hot_set_with_scans(h: Harness) -> int:
+    """Each round: two hot prompts, each used twice, then a scan of one-time prompts."""
+    hits, key = 0, 1000
+    for r in range(10):
+        t = 10.0 * r
+        for i, hot in enumerate(([1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6])):
+            hits += h.run(hot, t + i)
+        for i in range(3):  # 9 new blocks: the cache (9) cannot also keep the hot set
+            hits += h.run([key, key + 1, key + 2], t + 5 + i)
+            key += 3
+    return hits
+
+
+def test_arc_beats_lru_on_a_scan_pattern():
+    # A prompt hit in full still recomputes its last block: 2 hit blocks a use.
+    # LRU: the scan flushes the hot set every round, so it hits on its second
+    # use only (4 blocks a round). ARC: reuse moved it to T2, the scan only
+    # cycles through T1 (its target stays 0), so from round 2 on all 4 uses hit.
+    lru, arc = both("arc", 9, looping_hot_set_with_scans)
+    assert (lru, arc) == (4 * 10, 4 + 8 * 9)
+
+
+def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from vllm_wa.replay.peers.arc import ARCQueue
+    from vllm_wa.replay.peers.base import RequestHints
+
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = ARCQueue(blocks, capacity=4)
+    q.popleft()  # vLLM's null block
+    got = q.popleft_n(4)
+    for b, h in zip(got, [11, 12, 13, 14]):
+        b._block_hash = h
+    a, b, c = (RequestHints(r, k, 32) for r, k in (("a", [11, 12]), ("b", [13, 14]), ("c", [13, 14])))
+    q.on_admitted(a, got[:2], 0, 0.0)  # T1: blocks 1, 2
+    q.on_admitted(b, got[2:], 0, 0.0)  # T1: blocks 3, 4
+    for r, held in ((a, got[:2]), (b, got[2:])):
+        q.on_free(r, held, 0.0)
+        q.append_n(held[::-1])
+    q.on_lookup(c, got[2:], [13, 14], 0.0)
+    q.remove_n(got[2:])  # c reuses 13, 14 and keeps them pinned
+    q.on_admitted(c, got[2:], 2, 0.0)
+    q.on_free(c, got[2:], 0.0)  # both move to T2
+    assert (q.t1_size, q.t2_size) == (2, 2)
+    q.target_t1_size = 3.0  # T1 is below its target and T2 is all pinned: vLLM #55461 takes T1's oldest
+    assert [b.block_id for b in q.popleft_n(1)] == [2]  # a's tail
+    assert 12 in q.b1 and q.t1_size == 1
+
+
+@pytest.mark.parametrize("name, setting", [("slru", 3), ("lfu", None)])
+def test_sglang_frequency_policies_keep_reused_prefix_through_a_scan(name, setting):
+    lru, p = both(name, 6, scan_after_reuse, setting=setting)
+    assert (lru, p) == (0, 2)
+
+
+def test_slru_default_threshold_protects_every_finished_prompt():
+    # SGLang inserts a path after prefill and at the finish: two hits per request.
+    lru, slru = both("slru", 6, scan_after_reuse, setting=2)
+    assert (lru, slru) == (0, 0)
+    h = Harness(peer("slru", 2), 8)
+    h.run([1, 2, 3], 1.0)
+    h.run([4, 5], 2.0, output_tokens=1)  # finished at prefill: one insert
+    q = h.policy.queue
+    ids = {q.key_of[b]: b for b in range(len(q.key_of)) if q.key_of[b] is not None}
+    assert q.hit_count[ids[1]] == 2 and q.hit_count[ids[4]] == 1
+
+
+def out_of_order_finish(h: Harness) -> int:
+    """A long request starts first and finishes last; then the pool must evict 3 blocks."""
+    long_rid, _ = h.admit([1, 2, 3], 1.0)
+    h.run([5, 6, 7], 2.0)
+    h.release(long_rid, 3.0)
+    h.run([10, 11, 12], 4.0)
+    return h.run([5, 6, 9], 5.0)
+
+
+def test_fifo_evicts_by_creation_not_by_free_time():
+    lru, fifo = both("fifo", 6, out_of_order_finish)
+    assert (lru, fifo) == (0, 2)
+
+
+def test_tlru_trims_conversation_tails_before_older_heads():
+    # xi - Q_hat = 64 tokens: a 128-token history keeps its first 4 blocks; the
+    # rest of each conversation is TEL-safe and goes first.
+    def policy_xi(slo_s):
+        p = peer("tlru", slo_s)
+        p.prefill_tokens_per_s = (64 + 200) / slo_s  # xi = 264 tokens, Q_hat = 200
+        return p
+
+    def script(h):
+        h.run(list(range(1, 9)), 1.0)
+        h.run(list(range(11, 19)), 2.0)
+        h.run(list(range(30, 38)), 3.0)  # 2 fresh blocks + 6 evicted
+        return h.run([1, 2, 3, 4, 99], 4.0)
+
+    lru = script(Harness(ReplayPolicy("lru"), 18))
+    tlru = script(Harness(policy_xi(1.0), 18))
+    assert (lru, tlru) == (2, 4)
+
+
+def test_tlru_with_a_huge_budget_is_recency_order():
+    h = Harness(peer("tlru", 1000.0), 18)  # xi = 10M tokens: nothing is TEL-safe
+    h.run(list(range(1, 9)), 1.0)
+    h.run(list(range(11, 19)), 2.0)
+    h.run(list(range(30, 38)), 3.0)
+    assert h.run([1, 2, 3, 4, 99], 4.0) == 2
+
+
+def test_session_evicts_the_least_touched_session_tail_first():
+    def script(h):
+        h.run([1, 2, 3], 1.0)  # session A
+        h.run([1, 2, 4], 2.0)  # continues A (hits 1, 2): A touched
+        h.run([1, 2, 5], 3.0)
+        h.run([20, 21, 22], 4.0)  # session B, newer but touched once
+        h.run([30, 31, 32, 33, 34, 35], 5.0)  # 8 cached + 6 new in 8 usable: evict 6
+        return h.run([1, 2, 9], 6.0)
+
+    lru, session = both("session", 8, script)
+    assert (lru, session) == (0, 2)
+
+
+def test_session_merges_continuations_and_seeds_fresh_sessions_from_ghosts():
+    h = Harness(peer("session"), 32)
+    h.run([1, 2, 3], 1.0)
+    h.run([1, 2, 3, 4], 2.0)
+    q = h.policy.queue
+    assert len(q.sessions) == 1  # the second turn merged into the first's session
+    (s,) = q.sessions.values()
+    assert s.prefix_depth == 0 and s.live == 4
+    h.run([7, 8], 3.0)
+    assert len(q.sessions) == 2
+    fresh = q.sessions[max(q.sessions)]
+    # Seeded from the ghost scores of 7, 8 (one miss each, at positions 0, 1),
+    # plus the touch the connector sends right after the store.
+    assert fresh.hits == pytest.approx((1.0 / 1.0 + 1.0 / 1.5849625007211563) / 12.0 + 1.0)
+    assert fresh.last_touch == q.logical_time == 6  # two touches per stored request
+
+
+def test_ghost_scores_decay_and_prune_like_the_source():
+    g = GhostScores(0.5)
+    g.add("k", False, 0.05)
+    g.tick += 1
+    assert g.read("k", False) == pytest.approx(0.025)
+    g.tick += 2  # 0.00625 < 0.01 at a non-resident tick: pruned
+    assert g.read("k", False) == 0.0 and len(g) == 0
+    g.add("r", True, 0.05)
+    g.tick += 3  # resident all along: decays, never pruned
+    assert g.read("r", True) == pytest.approx(0.00625)
+    g.evicted("r")
+    g.tick += 1
+    assert g.read("r", False) == 0.0
+
+
+def tool_call_then_pressure(h: Harness) -> int:
+    h.run([1, 2, 3], 1.0, conversation=7, outcome="tool")  # pinned for the TTL
+    h.run([5, 6, 7], 2.0, conversation=8, outcome="stop")
+    h.run([10, 11, 12], 3.0, conversation=9, outcome="stop")  # evicts 3 blocks
+    return h.run([1, 2, 3, 4], 4.0, conversation=7)  # the tool result comes back
+
+
+def test_ttl_tool_keeps_the_tool_callers_context_within_the_ttl():
+    lru, ttl = both("ttl-tool", 6, tool_call_then_pressure)
+    assert (lru, ttl) == (0, 3)
+
+
+def test_ttl_tool_pin_expires_and_needs_both_hints():
+    h = Harness(peer("ttl-tool"), 6)
+    h.policy.queue.fixed_ttl_s = 0.5
+    assert tool_call_then_pressure(h) == 0  # expired at t=1.5, then LRU
+    assert tool_call_then_pressure(Harness(peer("ttl-tool", conversations=False), 6)) == 0
+    h = Harness(peer("ttl-tool"), 6)
+    h.run([1, 2, 3], 1.0, conversation=7, outcome=None)  # no outcome hint: never pinned
+    h.run([5, 6, 7], 2.0, conversation=8)
+    h.run([10, 11, 12], 3.0, conversation=9)
+    assert h.run([1, 2, 3, 4], 4.0, conversation=7) == 0
+
+
+def test_ttl_tool_unpins_earliest_deadline_under_pressure():
+    h = Harness(peer("ttl-tool"), 6)
+    h.policy.queue.fixed_ttl_s = 100.0
+    h.run([1, 2, 3], 1.0, conversation=1, outcome="tool")
+    h.run([5, 6, 7], 2.0, conversation=2, outcome="tool")
+    h.run([10, 11, 12], 3.0, conversation=3, outcome="stop")  # all pinned: unpins conversation 1
+    assert h.run([5, 6, 7, 8], 4.0, conversation=2) == 3
+    assert h.run([1, 2, 3, 4], 5.0, conversation=1) == 0
+
+
+def test_ttl_choice_maximizes_return_probability_minus_holding_cost():
+    assert best_ttl([1.0, 1.0, 1.0, 1.0, 100.0], break_even_s=10.0) == 1.0
+    assert best_ttl([1.0, 1.0, 1.0, 1.0, 100.0], break_even_s=1e6) == 100.0
+    assert best_ttl([50.0, 60.0], break_even_s=10.0) == 0.0  # never worth holding
+    assert exponential_ttl(10.0, 100.0) == pytest.approx(10.0 * 2.302585, rel=1e-5)
+    assert exponential_ttl(10.0, 5.0) == 0.0
+
+
+def test_ttl_tool_learns_durations_from_the_conversation_hint():
+    h = Harness(peer("ttl-tool", 100.0), 64)
+    for i in range(40):
+        t = 10.0 * i
+        h.run([1000 * i + 1, 1000 * i + 2], t, conversation=i, outcome="tool")
+        h.run([1000 * i + 1, 1000 * i + 2, 1000 * i + 3], t + 2.0, conversation=i, outcome="stop")
+    q = h.policy.queue
+    assert q.durations == [2.0] * 40 and q.current_ttl() == 2.0
+
+
+@pytest.mark.parametrize("name", sorted(PEERS))
+def test_knob_values_are_checked(name):
+    spec = PEERS[name]
+    if spec.knob is None:
+        return
+    with pytest.raises(ValueError):
+        Harness(peer(name, -1.0), 4)
+
+
+# ---- knob tuning, progress, CLI --------------------------------------------------------------------
+
+import io
+import json
+
+from vllm_wa.bench.results import RequestRecord
+from vllm_wa.bench.results import RunResult as ServedRun
+from vllm_wa.cli import main as cli_main
+from vllm_wa.cli import sample_path
+from vllm_wa.replay.knobs import choose_settings, profile_setup
+from vllm_wa.replay.loaders import load_trace
+from vllm_wa.replay.progress import ProgressBoard, RunReporter
+from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep
+from vllm_wa.replay.served import replay_config
+
+MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
+
+
+def test_knobs_are_chosen_on_the_profile_half_only():
+    trace = load_trace(MOONCAKE)
+    setup = prepare(trace, ["slru", "tlru"], ReplayConfig())
+    part = profile_setup(setup)
+    assert part.trace.end < setup.eval_start  # never sees the evaluated half
+    assert setup.trace.start <= part.eval_start < part.trace.end
+    sizes = resolve_sizes("10%,20%", setup.trace, setup.eval_start)
+    choices = choose_settings(setup, ["lru", "slru", "tlru"], sizes, jobs=1, hindsight=True)
+    assert set(choices) == {"slru", "tlru"}  # lru has no knob
+    for name, c in choices.items():
+        assert set(c.profile) == set(PEERS[name].knob.values) and set(c.hindsight) == set(c.profile)
+        assert c.profile[c.chosen] == max(c.profile.values())
+        assert c.hindsight[c.hindsight_best] == max(c.hindsight.values())
+        assert setup.peer_settings[name] == c.chosen
+        assert c.cache_blocks == max(sizes)  # the middle of two sizes
+    # The sweep then runs the chosen setting.
+    runs = sweep(setup, ["tlru"], sizes, jobs=1)
+    assert {r.extra["setting"] for r in runs} == {choices["tlru"].chosen}
+
+
+def test_progress_bars_only_on_a_terminal():
+    quiet = io.StringIO()
+    board = ProgressBoard(quiet)
+    assert not board.enabled
+    rep = RunReporter(board, 0, "lru @100", 1000)
+    rep(500)
+    rep.close()
+    board.write("done")
+    assert quiet.getvalue() == "done\n"
+
+    out = io.StringIO()
+    board = ProgressBoard(out, enabled=True)
+    rep = RunReporter(board, 0, "lru @100", 1000)
+    rep(256)
+    board.write("a result line")
+    text = out.getvalue()
+    assert "lru @100" in text and "256/1000 requests" in text and "left" in text
+    assert "a result line\n" in text and "\x1b[1F\x1b[J" in text  # bars redrawn below the line
+    rep.close()
+    board.close()
+
+
+def test_cli_replay_peers_with_fixed_settings_and_hints_in_table(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    rc = cli_main([
+        "replay", MOONCAKE, "--policies", "lru,tlru,ttl-tool,opt", "--cache-blocks", "400,800",
+        "--peer-settings", "tlru=0.8,ttl-tool=100", "--json", str(out_json), "--no-cache", "--jobs", "1",
+    ])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ttl-tool*" in text and "slo=0.8 (fixed)" in text and "this trace has no conversation" in text
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["peer_settings_fixed"] == {"tlru": 0.8, "ttl-tool": 100.0}
+    rec = {(r["policy"], r["cache_blocks"]): r for r in data["results"]}
+    assert rec[("tlru", 400)]["extra"]["setting"] == 0.8
+    assert rec[("ttl-tool", 800)]["extra"]["client_hints"] == ["conversation", "outcome"]
+    assert rec[("tlru", 800)]["gap_closed"] is not None
+
+
+@pytest.mark.parametrize(
+    "spec, msg",
+    [("tlru=-1", "xi"), ("slru=2.5", "integer"), ("arc=3", "no knob"), ("nope=1", "PEER=VALUE"), ("tlru", "PEER=VALUE"),
+     ("ttl-tool=abc", "number"), ("slru=3", "not among")],
+)
+def test_cli_rejects_bad_peer_settings(spec, msg, capsys):
+    with pytest.raises(SystemExit, match=msg):
+        policies = "lru,tlru,ttl-tool,arc" + (",slru" if spec == "slru=2.5" else "")
+        cli_main(["replay", MOONCAKE, "--policies", policies, "--peer-settings", spec, "--no-cache"])
+
+
+# ---- a served trace through vLLM's manager ---------------------------------------------------------
+
+
+def served_result(path, n_conv=6, turns=5, bs=16):
+    """A bench-serve result: conversations whose prompts grow by a partly filled block each turn."""
+    res = ServedRun(label="x", url="u", trace="t", block_size=bs, time_scale=1.0, max_output_tokens=40)
+    i = 0
+    for c in range(n_conv):
+        ids: list[int] = []
+        for k in range(turns):
+            ids = ids + [1000 * (c + 1) + len(ids), 1000 * (c + 1) + len(ids) + 1]
+            t = c * 0.3 + k * 2.0
+            res.requests.append(RequestRecord(
+                index=i, request_id=f"c{c}t{k}", conversation=c, tag="tool",
+                outcome_hint="tool" if k % 2 == 0 else None, hash_ids=list(ids), input_tokens=len(ids) * bs - 5,
+                max_tokens=40, planned=t, sent=t, first_token=t + 0.05, done=t + 0.5,
+                prompt_tokens=len(ids) * bs - 5, completion_tokens=40, finish_reason="length",
+                server_ttft_ms=20.0, server_queue_ms=1.0, server_generation_ms=400.0))
+            i += 1
+    res.write(str(path))
+    return load_trace(str(path))
+
+
+def test_peers_on_a_served_trace_index_only_the_blocks_vllm_caches(tmp_path):
+    """Reply slots and partly filled blocks go through the peers too; no key outlives its block."""
+    trace = served_result(tmp_path / "served.json")
+    assert trace.conversations and trace.has_outcomes
+    cfg = replay_config(ReplayConfig(engine="vllm"))
+    setup = prepare(trace, ["lru", *PEERS], cfg)
+    ample = {p: sweep(setup, [p], [400], jobs=1)[0].hit_tokens for p in ("lru", *PEERS)}
+    assert ample["lru"] > 0 and set(ample.values()) == {ample["lru"]}  # nothing evicted: all equal
+    for name in PEERS:
+        policy = make_policy(name, setup)
+        r = run_one(setup.trace, policy, 30, cfg, setup.eval_start)
+        assert 0 < r.hit_tokens <= ample["lru"], name
+        q = policy.queue
+        for bid, key in enumerate(q.key_of):
+            if key is not None:
+                assert q.block[bid].block_hash is not None, (name, bid, key)
+        resident = getattr(q, "resident", None)
+        if resident is not None:
+            assert all(q.key_of[bid] == key for key, bid in resident.primary.items()), name

@@ -1,0 +1,120 @@
+"""Tuning peers' knobs on the profile half of a trace, never on the evaluated half.
+
+A peer with a knob (T-LRU's SLO, SLRU's protected threshold, the tool TTL's
+break-even time) gets ONE setting per trace: every candidate replays the
+profile half (the first ``profile_fraction`` of the trace) at one cache size,
+warming on the first part of it and scored on the rest by the same rule as a
+sweep (``eval_start`` of the profile half); the best token hit rate wins.
+Optionally every candidate also replays the whole trace at that size, to
+report the hindsight-best setting on the evaluated half beside the chosen one.
+A trace measured from its first request (a served one) has no profile half:
+its peers keep their knobs' defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm_wa.replay.peers import PEERS
+from vllm_wa.replay.progress import ProgressBoard
+from vllm_wa.replay.runner import RunResult, SweepSetup, Task, run_tasks
+
+
+@dataclass
+class KnobChoice:
+    """The setting chosen for one peer on one trace, and what it was chosen from."""
+
+    peer: str
+    knob: str
+    unit: str
+    cache_blocks: int
+    profile: dict[float, float]  # candidate -> token hit rate on the profile half
+    hindsight: dict[float, float] | None = None  # candidate -> token hit rate on the evaluated half
+
+    @property
+    def chosen(self) -> float:
+        return _best(self.profile, PEERS[self.peer].knob.default)
+
+    @property
+    def hindsight_best(self) -> float | None:
+        return _best(self.hindsight, PEERS[self.peer].knob.default) if self.hindsight else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "knob": self.knob,
+            "unit": self.unit,
+            "chosen": self.chosen,
+            "chosen_on": "profile half",
+            "cache_blocks": self.cache_blocks,
+            "profile_token_hit_rate": {str(k): v for k, v in self.profile.items()},
+            "hindsight_best": self.hindsight_best,
+            "hindsight_token_hit_rate": {str(k): v for k, v in self.hindsight.items()} if self.hindsight else None,
+        }
+
+
+def _best(scores: dict[float, float], default: float) -> float:
+    """Highest score; ties go to the knob's default, then to the first candidate."""
+    top = max(scores.values())
+    tied = [k for k, v in scores.items() if v == top]
+    return default if default in tied else tied[0]
+
+
+def profile_setup(setup: SweepSetup) -> SweepSetup:
+    """The profile half as a replay of its own, scored after its own profile fraction."""
+    part = setup.trace.until(setup.eval_start)
+    if len(part.requests) < 2:
+        raise ValueError("the profile half has fewer than 2 requests: cannot tune peer knobs")
+    return replace(setup, trace=part, eval_start=part.eval_start(setup.cfg.profile_fraction))
+
+
+def tuning_size(sizes: Sequence[int]) -> int:
+    """The cache size knobs are tuned at: the middle of the sweep's sizes."""
+    return sorted(sizes)[len(sizes) // 2]
+
+
+def choose_settings(
+    setup: SweepSetup,
+    peers: Sequence[str],
+    sizes: Sequence[int],
+    jobs: int = 0,
+    hindsight: bool = False,
+    on_result: Callable[[RunResult], None] | None = None,
+    board: ProgressBoard | None = None,
+) -> dict[str, KnobChoice]:
+    """Choose each tunable peer's setting on the profile half; sets ``setup.peer_settings``."""
+    tunable = [p for p in peers if p in PEERS and PEERS[p].knob is not None]
+    if not tunable or setup.cfg.profile_fraction <= 0:
+        return {}
+    size = tuning_size(sizes)
+    tasks = [Task(p, size, v) for p in tunable for v in PEERS[p].knob.values]
+    runs = run_tasks(profile_setup(setup), tasks, jobs, on_result, board)
+    choices = {
+        p: KnobChoice(p, PEERS[p].knob.name, PEERS[p].knob.unit, size, _scores(runs, p, PEERS[p].knob.values))
+        for p in tunable
+    }
+    for p, c in choices.items():
+        setup.peer_settings[p] = c.chosen
+    if hindsight:
+        add_hindsight(setup, choices, jobs, on_result, board)
+    return choices
+
+
+def add_hindsight(
+    setup: SweepSetup,
+    choices: dict[str, KnobChoice],
+    jobs: int = 0,
+    on_result: Callable[[RunResult], None] | None = None,
+    board: ProgressBoard | None = None,
+) -> None:
+    """Replay every candidate on the whole trace at the tuning size: the hindsight-best setting."""
+    tasks = [Task(p, c.cache_blocks, v) for p, c in choices.items() for v in PEERS[p].knob.values]
+    runs = run_tasks(setup, tasks, jobs, on_result, board)
+    for p, c in choices.items():
+        c.hindsight = _scores(runs, p, PEERS[p].knob.values)
+
+
+def _scores(runs: Sequence[RunResult], peer: str, values: Sequence[float]) -> dict[float, float]:
+    got = {r.extra.get("setting"): r.token_hit_rate for r in runs if r.policy == peer}
+    return {v: got[v] for v in values}
