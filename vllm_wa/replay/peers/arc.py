@@ -182,34 +182,26 @@ class ARCQueue(PeerQueue):
         target = int(self.target_t1_size)
         # Stamps are unique and renewed on every move between lists, so an
         # entry whose stamp still matches is in the list its heap stands for.
+
+        def pop_valid(heap: list[int]) -> int:
+            while heap:
+                e = heappop(heap)
+                b = e & mask
+                if is_free[b] and stamp[b] == e >> shift:
+                    return b
+            return -1
+
         for _ in range(n):
-            bid = -1
-            if virtual_t1 >= target:
-                while h1:
-                    e = heappop(h1)
-                    b = e & mask
-                    if is_free[b] and stamp[b] == e >> shift:
-                        bid = b
-                        break
+            bid = pop_valid(h1) if virtual_t1 >= target else -1
             if bid >= 0:
                 virtual_t1 -= 1
                 from_t1.append(True)
             else:
-                while h2:
-                    e = heappop(h2)
-                    b = e & mask
-                    if is_free[b] and stamp[b] == e >> shift:
-                        bid = b
-                        break
+                bid = pop_valid(h2)
                 if bid >= 0:
                     from_t1.append(False)
                 else:  # vLLM #55461: fall back to T1
-                    while h1:
-                        e = heappop(h1)
-                        b = e & mask
-                        if is_free[b] and stamp[b] == e >> shift:
-                            bid = b
-                            break
+                    bid = pop_valid(h1)
                     if bid < 0:
                         raise RuntimeError("ARC found fewer evictable blocks than the queue counts")
                     virtual_t1 -= 1
