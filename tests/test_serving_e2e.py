@@ -126,7 +126,10 @@ def workdir(tmp_path_factory):
         # The tuner stays on the WA candidate: these tests check the serving path and the
         # dashboard's per-class series, which a demotion to LRU would remove (the tuner's
         # switching is tested on generated traces in test_tuner.py).
+        # Only that candidate is fitted: fits of every default candidate each second kept
+        # an engine core busy and slowed the plain server beside it.
         "[tuner]\nenabled = false\ninitial = \"tag+outcome/hyper/posterior/L10\"\n"
+        "[[tuner.candidates]]\nfeatures = [\"tag\", \"outcome\"]\n"
     )
     return {"dir": str(d), "model": model, "shim": shim, "config": str(cfg)}
 
