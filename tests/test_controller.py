@@ -44,7 +44,7 @@ def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, gh
     est = ReuseEstimator(memory_s=1e12, drift_forget=1.0)  # a stationary stream: no forgetting
     tracker = ReuseTracker(
         ghost_capacity=ghost_capacity, watch_capacity=10 * n, max_watch_s=1e9,
-        on_reuse=lambda k, gap: est.update(gap), on_censored=lambda k, e: est.censor(e),
+        on_reuse=lambda k, gaps, t: est.update_many(gaps), on_censored=lambda k, e: est.censor(e),
     )
     naive = SurvivalData()
     events = []

@@ -138,7 +138,6 @@ class WAController:
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
         self.estimators: list[ReuseEstimator] = []
-        self._lookup_gaps: dict[int, list[float]] = {}
         self.tracker = ReuseTracker(
             ghost_capacity=int(config.ghost_factor * sampled_cache),
             watch_capacity=2 * sampled_cache + 1024,
@@ -199,19 +198,10 @@ class WAController:
             )
         return fid
 
-    def _on_reuse(self, fid: int, gap: float) -> None:
-        gaps = self._lookup_gaps.get(fid)
-        if gaps is None:
-            self._lookup_gaps[fid] = [gap]
-        else:
-            gaps.append(gap)
-
-    def _flush_reuses(self, now: float) -> None:
-        """The reuses one lookup found, one batch per finest class (see ``update_many``)."""
-        for fid, gaps in self._lookup_gaps.items():
-            if self.estimators[fid].update_many(gaps):
-                self.drift_events.append({"time": now, "class": FINEST.name_of(self._fine[fid])})
-        self._lookup_gaps.clear()
+    def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
+        """The reuses one lookup found in a finest class (see ``ReuseEstimator.update_many``)."""
+        if self.estimators[fid].update_many(gaps):
+            self.drift_events.append({"time": t, "class": FINEST.name_of(self._fine[fid])})
 
     def _on_censored(self, fid: int, exposure: float) -> None:
         self.estimators[fid].censor(exposure)
@@ -253,8 +243,6 @@ class WAController:
                 tracker.evicted(ev.block_hash, ev.time)
             elif kind == EventKind.LOOKUP:
                 tracker.looked_up(ev.hashes, ev.time)
-                if self._lookup_gaps:
-                    self._flush_reuses(ev.time)
                 hs = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
                     # The same sampled request in every miniature cache: paired evidence.

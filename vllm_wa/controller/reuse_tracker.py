@@ -28,7 +28,7 @@ class ReuseTracker:
         ghost_capacity: int,
         watch_capacity: int,
         max_watch_s: float,
-        on_reuse: Callable[[int, float], None],
+        on_reuse: Callable[[int, list[float], float], None],
         on_censored: Callable[[int, float], None],
     ) -> None:
         self.ghost_capacity = max(1, int(ghost_capacity))
@@ -60,8 +60,14 @@ class ReuseTracker:
             self._censor(k, t - t0)
 
     def looked_up(self, hashes: Any, t: float) -> None:
-        """A prompt with these (position, hash) pairs arrived at ``t``."""
+        """A prompt with these (position, hash) pairs arrived at ``t``.
+
+        Its reuses are reported once per class, as one batch of gaps with the
+        lookup time: the blocks of a prompt were freed together and come back
+        together.
+        """
         watch, ghost = self.watch, self.ghost
+        found: dict[int, list[float]] = {}
         for _, h in hashes:
             entry = watch.pop(h, None)
             if entry is None:
@@ -70,7 +76,13 @@ class ReuseTracker:
                     continue
                 self.ghost_reuses += 1
             self.reuses += 1
-            self._on_reuse(entry[0], t - entry[1])
+            gaps = found.get(entry[0])
+            if gaps is None:
+                found[entry[0]] = [t - entry[1]]
+            else:
+                gaps.append(t - entry[1])
+        for key, gaps in found.items():
+            self._on_reuse(key, gaps, t)
 
     def expire(self, now: float) -> None:
         """Censor blocks watched longer than ``max_watch_s``."""
