@@ -404,7 +404,7 @@ def test_without_flag_nothing_changes(plain_server):
 
 def test_bench_serve_agrees_with_both_servers_counters(plain_server, wa_server, tmp_path):
     """A shortened ``vllm-wa bench-serve`` run (16 real agentic conversations, prompts cut to
-    8 blocks, 600 trace seconds at 1/60 speed) against the plain and the --wa-online server.
+    8 blocks, 600 trace seconds at 1/30 speed) against the plain and the --wa-online server.
 
     Each server's prefix-cache hit counter grows by exactly the cached tokens the client
     was told, nothing is preempted (4 requests of at most 9 blocks fit the 40-block
@@ -426,7 +426,7 @@ def test_bench_serve_agrees_with_both_servers_counters(plain_server, wa_server, 
     hints_before = wa_state(wa_server.url)["outcomes_reclassified"]
     results = {}
     for name, srv in (("lru", plain_server), ("wa-online", wa_server)):
-        cfg = ClientConfig(url=srv.url, api_key=API_KEY, time_scale=1 / 60, max_output_tokens=8, label=name,
+        cfg = ClientConfig(url=srv.url, api_key=API_KEY, time_scale=1 / 30, max_output_tokens=8, label=name,
                            progress=False)
         res = asyncio.run(BenchClient(cfg, trace).run())
         s = report.summarize(res)
