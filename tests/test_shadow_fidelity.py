@@ -5,14 +5,19 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import random
 import sys
+from array import array
 
 import pytest
 
 from vllm_wa.cli import sample_path
-from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.config import CandidateSpec, ControllerConfig
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes
+from vllm_wa.replay.trace import Trace, TraceRequest
+
+BLOCK = 16
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "shadow_fidelity.py")
 
@@ -76,3 +81,91 @@ def test_table_and_json(bench, result, tmp_path):
     for name in result["candidates"]:
         assert name in table
     assert "block MAE" in table and "chain Spearman" in table
+
+
+def scan_trace(seed: int = 0, conversations: int = 300, duration: float = 3600.0) -> Trace:
+    """Chat conversations among one-shot batch prompts, all behind one system prompt.
+
+    Chat turns come back after 30-120 s; batch prompts (unique documents) are
+    never reused but arrive at twice the chat volume, so LRU lets them push
+    the chat out, and a tag-aware order keeps the chat: candidates far apart.
+    Outcomes are random (an outcome-only candidate has nothing to learn).
+    The shared system prompt is the case that makes chain sampling key on
+    the first block after it.
+    """
+    rng = random.Random(seed)
+    reqs: list[TraceRequest] = []
+    system = list(range(8))
+    next_id = len(system)
+
+    def add(rid: str, t: float, prompt: list[int], tag: str, conv: int) -> None:
+        reqs.append(
+            TraceRequest(
+                request_id=rid,
+                arrival=t,
+                hash_ids=array("q", prompt),
+                input_tokens=len(prompt) * BLOCK,
+                output_tokens=8,
+                tag=tag,
+                conversation=conv,
+                outcome=rng.choice(("tool", "stop")),
+            )
+        )
+
+    for c in range(conversations):
+        t, prompt = rng.uniform(-600.0, duration), list(system)
+        for k in range(rng.randint(4, 8)):
+            grow = rng.randint(3, 6)
+            prompt = prompt + list(range(next_id, next_id + grow))
+            next_id += grow
+            if 0.0 <= t < duration:
+                add(f"c{c}t{k}", t, prompt, "chat", c)
+            t += rng.uniform(30.0, 120.0)
+    t, b = rng.expovariate(0.5), 0
+    while t < duration:
+        n = rng.randint(20, 40)
+        add(f"b{b}", t, system + list(range(next_id, next_id + n)), "batch", conversations + b)
+        next_id, b, t = next_id + n, b + 1, t + rng.expovariate(0.5)
+    reqs.sort(key=lambda r: r.arrival)
+    return Trace("scan", BLOCK, reqs, "generated", synthetic=True)
+
+
+def test_miniature_caches_rank_candidates_like_full_size_caches(bench):
+    """Issue 8: where candidates are far apart, the miniature caches (a
+    sample of 200 blocks for caches of 500 and 1500) order them as the
+    full-size caches do, under both sampling schemes, and block sampling also
+    gets each candidate's lead over LRU right.
+    """
+    cands = tuple(
+        CandidateSpec(f, fam, mode, h)
+        for f, fam, mode, h in (
+            (("tag",), "hyperexponential", "posterior", 10.0),
+            (("tag",), "exponential", "pr", 5.0),
+            (("outcome",), "hyperexponential", "posterior", 10.0),
+        )
+    )
+    base = ControllerConfig(
+        refit_interval_s=10.0, fit_interval_s=10.0, min_samples=5, candidates=cands, shadow_blocks=200
+    )
+    res = bench.fidelity(scan_trace(), [500, 1500], base, ReplayConfig())
+    for entry in res["sizes"]:
+        rows = entry["rows"]
+        full = {r["candidate"]: r["full"] for r in rows}
+        # The gap is large: both tag candidates lead LRU by more than 5 points.
+        assert full["tag/hyper/posterior/L10"] - full["lru"] > 0.05, full
+        assert full["tag/exp/pr/L5"] - full["lru"] > 0.05, full
+        for scheme in ("block", "chain"):
+            sch = entry["schemes"][scheme]
+            assert sch["sample_rate"] < 0.5 and sch["sampled_lookups"] > 1000, sch
+            pred = {r["candidate"]: r[scheme] for r in rows}
+            for a in rows:
+                for b in rows:
+                    gap = full[a["candidate"]] - full[b["candidate"]]
+                    if gap > 0.02:
+                        assert pred[a["candidate"]] > pred[b["candidate"]], (scheme, entry["cache_blocks"], a, b)
+        lru_predicted = next(r["block"] for r in rows if r["candidate"] == "lru")
+        for r in rows:
+            predicted, measured = r["block"] - lru_predicted, r["full"] - full["lru"]
+            assert abs(predicted - measured) < 0.02, (entry["cache_blocks"], r, predicted, measured)
+        # Chain sampling keyed past the shared system prompt still samples a fraction of the conversations.
+        assert 0.0 < entry["schemes"]["chain"]["chain_rate"] < 0.5
