@@ -20,15 +20,31 @@ import json
 import random
 import time
 
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import (
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+from vllm.v1.request import Request, RequestStatus
 
+from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch import WorkloadAwareFreeQueue
+from vllm_wa.engine_patch.conversations import ConversationTracker
+from vllm_wa.engine_patch.install import install_wa_queue, uninstall_wa_queue
 from vllm_wa.params import ReuseModel, WAParams
 from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.workload_classes import ClassRegistry
 
 NUM_CLASSES = 8
 RUN = 32  # blocks per request
+REQUEST_KINDS = ("vllm", "wa", "wa+timing")
+TIMING = ("think", "reply", "growth", "turn")  # request features the engine derives from the prefix chain
 
 
 def wa_params(registry: ClassRegistry) -> WAParams:
@@ -105,11 +121,6 @@ def run(kind: str, n: int, seed: int) -> dict[str, float]:
 
 def run_pool(kind: str, n: int, seed: int) -> dict[str, float]:
     """The same operations through vLLM's BlockPool (what the engine pays per block)."""
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    from vllm_wa.engine_patch.install import install_wa_queue
-
     pool = BlockPool(num_gpu_blocks=n, enable_caching=True, hash_block_size=16)
     rng = random.Random(seed)
     if kind == "wa":
@@ -160,6 +171,58 @@ def run_pool(kind: str, n: int, seed: int) -> dict[str, float]:
     return {"get_new_blocks": t_get, "free_blocks": t_free, "touch": t_touch}
 
 
+def run_requests(kind: str, n: int, seed: int, requests: int = 3000) -> dict[str, float]:
+    """Whole requests through vLLM's ``KVCacheManager`` (lookup, allocate, free), in ns per request.
+
+    ``vllm``: vLLM's queue; ``wa``: the WA queue and tagger with the
+    ``tag+outcome`` class key; ``wa+timing``: the same with the conversation
+    tracker and every timing feature in the key (think, reply, growth,
+    turn), what a timing candidate costs the engine thread.  (The block
+    features, depth and reuse, are not timing features: they classify each
+    block on its own, a cost per block.)
+    """
+    init_none_hash(sha256)
+    manager = model_free_kv_cache_manager(n, 16, 16 * 1024)
+    clock = SettableClock()
+    if kind != "vllm":
+        reg = ClassRegistry()
+        features = ("tag", "outcome") if kind == "wa" else ("tag", "outcome", *TIMING)
+        install_wa_queue(
+            manager.block_pool, wa_params(reg), clock=clock, registry=reg, class_key=FeatureKey(features),
+            conversations=ConversationTracker() if kind == "wa+timing" else None,
+        )
+    rng = random.Random(seed)
+    hasher = get_request_block_hasher(16, sha256)
+    convs = [[rng.randrange(1 << 30)] * 16 for _ in range(64)]
+    reqs = []
+    for i in range(requests):
+        c = rng.randrange(len(convs))
+        if len(convs[c]) > 16 * 48:
+            convs[c] = [rng.randrange(1 << 30)] * 16
+        convs[c] = convs[c] + [rng.randrange(1 << 30) for _ in range(16 * rng.randint(1, 6))]
+        sp = SamplingParams(max_tokens=1, extra_args={"type_info": f"tag_{c % 4}"})
+        sp.update_from_generation_config({}, eos_token_id=None)
+        reqs.append(Request(f"r{i}", list(convs[c]), sp, None, block_hasher=hasher))
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        for r in reqs:
+            clock.t += 0.05
+            blocks, hit, _ = manager.get_computed_blocks(r)
+            if manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is None:
+                raise RuntimeError("the benchmark cache is too small for its requests")
+            r.num_computed_tokens = r.num_tokens
+            r.status = RequestStatus.FINISHED_STOPPED
+            manager.free(r)
+        t = (time.perf_counter_ns() - t0) / len(reqs)
+    finally:
+        gc.enable()
+        if kind != "vllm":
+            uninstall_wa_queue(manager.block_pool)
+    return {"request": t}
+
+
 def best_of(bench, n: int, rounds: int) -> dict[str, dict[str, float]]:
     """Per queue kind, the fastest ns-per-block of each operation over ``rounds``."""
     best: dict[str, dict[str, float]] = {}
@@ -194,8 +257,19 @@ def main() -> None:
             for op in ops:
                 v, w = best["vllm"][op], best["wa"][op]
                 rows.append({"blocks": n, "op": prefix + op, "vllm_ns": v, "wa_ns": w, "ratio": w / v})
+        best = {kind: float("inf") for kind in REQUEST_KINDS}
+        for r in range(args.rounds):
+            for kind in REQUEST_KINDS:
+                best[kind] = min(best[kind], run_requests(kind, n, seed=r)["request"])
+        for kind in REQUEST_KINDS[1:]:
+            rows.append({"blocks": n, "op": f"request ({kind})", "vllm_ns": best["vllm"], "wa_ns": best[kind],
+                         "ratio": best[kind] / best["vllm"]})
+        timing = best["wa+timing"] / best["wa"]
+        rows.append({"blocks": n, "op": "request timing/wa", "vllm_ns": best["wa"], "wa_ns": best["wa+timing"],
+                     "ratio": timing})
     print(f"WA queue ({NUM_CLASSES} classes, PR scores) vs vLLM FreeKVCacheBlockQueue, ns per block, best of {args.rounds}")
-    print("(queue operations alone, then the same work through vLLM's BlockPool: pool.*)")
+    print("(queue operations alone, then the same work through vLLM's BlockPool: pool.*; then ns per whole")
+    print(" request through vLLM's KVCacheManager with the engine hooks; 'timing/wa': the timing features' cost)")
     print(f"{'blocks':>9} {'operation':<20} {'vLLM':>8} {'WA':>8} {'WA/vLLM':>8}")
     for row in rows:
         print(f"{row['blocks']:>9} {row['op']:<20} {row['vllm_ns']:>8.0f} {row['wa_ns']:>8.0f} {row['ratio']:>8.2f}")

@@ -57,14 +57,12 @@ class FeatureKey:
             if list(edges) != sorted(set(edges)) or any(e <= 0 for e in edges):
                 raise ValueError(f"{name} must be increasing positive numbers, got {list(edges)}")
         object.__setattr__(self, "_index", tuple(FEATURES.index(f) for f in self.features))
+        # Computed once: the tagger asks at every release, and a key is called per request.
+        object.__setattr__(self, "uses_block_features", any(f in BLOCK_FEATURES for f in self.features))
 
     def edges(self, feature: str) -> tuple:
         """Bucket edges of a bucketed feature (not ``tag`` or ``outcome``)."""
         return getattr(self, f"{feature}_edges")
-
-    @property
-    def uses_block_features(self) -> bool:
-        return any(f in BLOCK_FEATURES for f in self.features)
 
     @property
     def name(self) -> str:
@@ -99,7 +97,31 @@ class FeatureKey:
         return ".".join(parts) if parts else "all"
 
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
-        return self.name_of(self.components(request, position, reuse_count))
+        """``name_of(components(...))``, computing only this key's features
+        (it runs on the engine thread at every release)."""
+        if not self._index:
+            return "all"
+        parts = []
+        for i in self._index:
+            if i == 0:
+                parts.append(request.tag)
+            elif i == 1:
+                parts.append("o:" + (request.outcome or "unknown"))
+            elif i == 2:
+                parts.append("d" + str(bisect_right(self.depth_edges, position)))
+            elif i == 3:
+                parts.append("r" + str(bisect_right(self.reuse_edges, reuse_count)))
+            elif i == 5:
+                parts.append("y" + str(bisect_right(self.reply_edges, request.reply_tokens)))
+            else:
+                t = request.timing
+                if i == 4:
+                    parts.append("k" + str(_bucket(self.think_edges, t.think_s if t is not None else None)))
+                elif i == 6:
+                    parts.append("g" + str(_bucket(self.growth_edges, t.growth if t is not None else None)))
+                else:
+                    parts.append("n" + str(_bucket(self.turn_edges, t.turn if t is not None else None)))
+        return ".".join(parts)
 
 
 FINEST = FeatureKey(FEATURES)

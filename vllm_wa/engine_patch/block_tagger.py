@@ -90,7 +90,7 @@ class _FreedRequest:
     turn: Any = None  # its conversation tip, labelled when the next turn comes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Lookup:
     """A looked-up request until it frees its blocks."""
 
@@ -190,7 +190,8 @@ class BlockTagger:
             live[request_id] = tag
             if len(live) > MAX_LIVE_REQUESTS:
                 live.popitem(last=False)
-        return RequestTags(request_id, tag, outcome, reply_tokens)
+        look = self._looked_up.get(request_id)
+        return RequestTags(request_id, tag, outcome, reply_tokens, look.timing if look is not None else None)
 
     def retire_idle(self, now: float) -> None:
         """Give back the slots of tags and classes unused for their retire time (throttled)."""
