@@ -1,0 +1,53 @@
+"""benchmarks/feature_ablation.py: one fixed candidate per feature set, with LRU and OPT."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from vllm_wa.cli import sample_path
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.replay.loaders import load_trace
+from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes
+
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "feature_ablation.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("feature_ablation", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_default_sets_cover_each_feature_alone_and_added_to_tag_outcome(bench):
+    sets = bench.default_sets()
+    assert len(set(sets)) == len(sets)
+    for f in ("tag", "outcome", "depth", "reuse", "think", "reply", "growth", "turn"):
+        assert (f,) in sets
+        if f not in ("tag", "outcome"):
+            assert ("tag", "outcome", f) in sets
+
+
+def test_rows_on_the_mooncake_sample(bench):
+    # Mooncake has no tags: the tag-only key has one class, whose posterior
+    # score falls with idle time, so it evicts exactly in LRU order.
+    trace = load_trace(sample_path("mooncake-conversation-sample.jsonl.xz")).head(600)
+    setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())
+    (size,) = resolve_sizes("10%", setup.trace, setup.eval_start)
+    base = ControllerConfig(refit_interval_s=20.0)
+    rows = bench.ablation(setup, size, [("tag",), ("think",)], base)
+    by = {r["policy"]: r for r in rows}
+    assert list(by) == ["opt", "lru", "tag", "think"]
+    assert by["lru"]["gap_closed"] == 0.0 and by["opt"]["gap_closed"] == pytest.approx(1.0)
+    assert 0.0 < by["lru"]["token_hit_rate"] < by["opt"]["token_hit_rate"]
+    assert by["tag"]["token_hit_rate"] == pytest.approx(by["lru"]["token_hit_rate"], abs=1e-12)
+    for r in rows:
+        assert r["token_hit_rate"] <= by["opt"]["token_hit_rate"] + 1e-12
+    table = bench.format_table(trace.name, size, rows)
+    assert "think" in table and "gap %" in table
