@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_wa.controller.features import FEATURES
+from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES
+from vllm_wa.controller.learned_key import MAX_LEARNED_CLASSES
 from vllm_wa.controller.tuner import TunerSettings
 from vllm_wa.fileio import TOMLDecodeError, read_toml
 from vllm_wa.params import SCORE_MODES
@@ -35,6 +36,12 @@ class CandidateSpec:
     mode: str = "posterior"
     horizon: float = 10.0
     lru: bool = False
+    # 0: one class per combination of the features' buckets.  K > 0: those
+    # combinations are merged into K classes learned from the data (see
+    # controller/learned_key.py), ranked by their chance of a reuse within
+    # ``split_s`` seconds.
+    classes: int = 0
+    split_s: float = 60.0
 
     @property
     def name(self) -> str:
@@ -42,7 +49,8 @@ class CandidateSpec:
             return "lru"
         feats = "+".join(self.features) or "none"
         fam = "exp" if self.family == "exponential" else "hyper"
-        return f"{feats}/{fam}/{self.mode}/L{self.horizon:g}"
+        learned = f"/K{self.classes}" if self.classes else ""
+        return f"{feats}/{fam}/{self.mode}/L{self.horizon:g}{learned}"
 
 
 LRU_CANDIDATE = CandidateSpec(lru=True)
@@ -132,6 +140,13 @@ class ControllerConfig:
             if c.mode not in SCORE_MODES:
                 raise ConfigError(f"{where}.mode must be one of {SCORE_MODES}, got {c.mode!r}")
             check_number(f"{where}.horizon", c.horizon, gt=0, error=ConfigError)
+            check_number(f"{where}.classes", c.classes, ge=0, le=MAX_LEARNED_CLASSES, integer=True, error=ConfigError)
+            check_number(f"{where}.split_s", c.split_s, gt=0, error=ConfigError)
+            per_block = [f for f in c.features if f in BLOCK_FEATURES]
+            if c.classes and per_block:
+                raise ConfigError(f"{where}: a learned key (classes > 0) takes request features only, not {per_block}")
+        if sum(1 for c in self.candidates if c.classes) > 1:
+            raise ConfigError("at most one candidate may have learned classes (classes > 0): their class names would collide")
         names = [c.name for c in self.all_candidates]
         if len(set(names)) != len(names):
             raise ConfigError(f"candidates must differ; got duplicates in {names}")

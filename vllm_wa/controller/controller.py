@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +41,9 @@ from vllm_wa.controller.checkpoint import (
 from vllm_wa.controller.config import CandidateSpec, ControllerConfig
 from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, pooled
 from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
+from vllm_wa.controller.learned_key import LearnedKey, assign
 from vllm_wa.controller.reuse_tracker import ReuseTracker
-from vllm_wa.controller.shadow import ShadowCache
+from vllm_wa.controller.shadow import ClassKey, ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
 from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
@@ -58,9 +59,17 @@ MAX_FINE_CLASSES = 1024
 class Candidate:
     spec: CandidateSpec
     shadow: ShadowCache
-    key: FeatureKey | None
+    key: ClassKey | None
     params: WAParams = field(default_factory=WAParams.lru)
     fits: dict[str, ModelFit] = field(default_factory=dict)
+
+
+def candidate_key(spec: CandidateSpec) -> ClassKey | None:
+    """The class key a candidate starts with (None: LRU); a learned key starts with an empty table."""
+    if spec.lru:
+        return None
+    key = FeatureKey(tuple(spec.features))
+    return LearnedKey(key) if spec.classes else key
 
 
 def sample_rate_for(cache_blocks: int, shadow_blocks: int) -> float:
@@ -86,13 +95,13 @@ def start_online(
     sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain)
     registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
-    key = FeatureKey(tuple(initial.features)) if not initial.lru else FeatureKey(("tag",))
+    key = candidate_key(initial) or FeatureKey(("tag",))
     conversations = ConversationTracker(max_age_s=config.max_watch_s)
     queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
         prior = WAParams.load(config.seed_params)
 
-    def apply(params: WAParams, class_key: FeatureKey | None) -> None:
+    def apply(params: WAParams, class_key: ClassKey | None) -> None:
         if class_key is not None:
             tagger.set_class_key(class_key)
         queue.set_params(params)
@@ -117,7 +126,7 @@ class WAController:
         self,
         config: ControllerConfig,
         cache_blocks: int,
-        apply: Callable[[WAParams, FeatureKey | None], None],
+        apply: Callable[[WAParams, ClassKey | None], None],
         sink: EventSink,
         clock: Callable[[], float] = time.monotonic,
         prior: WAParams | None = None,
@@ -150,8 +159,8 @@ class WAController:
         self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
         self.candidates: dict[str, Candidate] = {}
         for spec in config.all_candidates:
-            shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes)
-            key = None if spec.lru else FeatureKey(tuple(spec.features))
+            key = candidate_key(spec)
+            shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes, key)
             self.candidates[spec.name] = Candidate(spec, shadow, key)
         self._shadows = [c.shadow for c in self.candidates.values()]
         self.tuner = Tuner(list(self.candidates), config.tuner_settings, initial=config.initial)
@@ -159,7 +168,7 @@ class WAController:
         self._pinned_key: FeatureKey | None = None
         # What the live queue runs: the parameters and the class key (None: LRU).
         self.params = self.prior
-        self._applied_key: FeatureKey | None = None
+        self._applied_key: ClassKey | None = None
         self._applied_candidate: str | None = None
         self._swap_lock = threading.Lock()
         self.version = 0
@@ -311,16 +320,44 @@ class WAController:
         np.add.at(counts, (fids, bins), 1.0)
         return {int(f): SurvivalData(np.zeros(NUM_BINS), counts[f]) for f in np.flatnonzero(counts.sum(axis=1))}
 
-    def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
-        spec, key = cand.spec, cand.key
-        assert key is not None
+    def _class_data(self, key: FeatureKey, at_risk: dict[int, SurvivalData]) -> dict[str, SurvivalData]:
+        """The observations of each class of ``key``: its finest classes pooled."""
         members: dict[str, list[int]] = {}
         for fid, comps in enumerate(self._fine):
             members.setdefault(key.name_of(comps), []).append(fid)
+        return {
+            name: pooled((self.estimators[f] for f in fids), *(at_risk[f] for f in fids if f in at_risk))
+            for name, fids in members.items()
+        }
+
+    def _learn_key(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> dict[str, SurvivalData]:
+        """Re-learn a learned key's table; returns its classes' observations."""
+        key = cand.key
+        assert isinstance(key, LearnedKey)
+        cells = self._class_data(key.cells, at_risk)
+        table = assign(cells, cand.spec.classes, self.config.min_samples, cand.spec.split_s)
+        if table != key.table:
+            key = cand.key = LearnedKey(key.cells, table)
+            cand.shadow.set_key(key)
+        classes: dict[str, SurvivalData] = {}
+        for cell, d in cells.items():
+            name = key.class_of(cell)
+            if name in classes:
+                classes[name] += d
+            else:
+                classes[name] = d.copy()
+        return classes
+
+    def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
+        spec, key = cand.spec, cand.key
+        assert key is not None
+        if isinstance(key, LearnedKey):
+            classes = self._learn_key(cand, at_risk)
+        else:
+            classes = self._class_data(key, at_risk)
         models: dict[str, ReuseModel] = {}
         total = SurvivalData()
-        for name, fids in members.items():
-            d = pooled((self.estimators[f] for f in fids), *(at_risk[f] for f in fids if f in at_risk))
+        for name, d in classes.items():
             total += d
             if d.n_events < self.config.min_samples:
                 continue
@@ -345,7 +382,7 @@ class WAController:
             fit = cand.fits[name] = ModelFit(cand.spec.family)
         return fit
 
-    def _target(self) -> tuple[WAParams, FeatureKey | None, str]:
+    def _target(self) -> tuple[WAParams, ClassKey | None, str]:
         """What the live queue should run: the pin, or the tuner's candidate."""
         if self.pinned is not None:
             return self.pinned, self._pinned_key, "pinned"
@@ -464,6 +501,7 @@ class WAController:
                     "sampled_hit_rate": rnd(rate),
                     "sampled_lookups": lookups,
                     "shadow_blocks": self.shadow_blocks,
+                    **self._learned_state(name),
                 }
                 for name, (rate, lookups) in rates.items()
             ],
@@ -484,6 +522,13 @@ class WAController:
             "ghost_blocks": len(self.tracker.ghost),
             "sample_rate": self.sink.sample_rate,
         }
+
+    def _learned_state(self, name: str) -> dict[str, Any]:
+        """A learned key's classes: how many feature cells each holds."""
+        key = self.candidates[name].key
+        if not isinstance(key, LearnedKey):
+            return {}
+        return {"learned_cells": dict(sorted(Counter(cls for _, cls in key.table).items()))}
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

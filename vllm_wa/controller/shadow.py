@@ -17,6 +17,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
 from vllm_wa.controller.config import CandidateSpec
 from vllm_wa.controller.features import FeatureKey
+from vllm_wa.controller.learned_key import LearnedKey
 from vllm_wa.engine_patch.block_tagger import BlockTagger, RequestTags
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.params import WAParams
@@ -24,14 +25,16 @@ from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.prefix_cache import SimPrefixCache
 from vllm_wa.workload_classes import ClassRegistry
 
+ClassKey = FeatureKey | LearnedKey
+
 
 class ShadowCache:
     """One candidate's miniature cache."""
 
-    def __init__(self, spec: CandidateSpec, num_blocks: int, max_classes: int) -> None:
+    def __init__(self, spec: CandidateSpec, num_blocks: int, max_classes: int, key: ClassKey | None = None) -> None:
         self.spec = spec
         self.name = spec.name
-        self.key = None if spec.lru else FeatureKey(tuple(spec.features))
+        self.key = key if key is not None or spec.lru else FeatureKey(tuple(spec.features))
         self.clock = SettableClock()
         self.tagger: BlockTagger | None = None
         self.queue: Any = None
@@ -53,6 +56,12 @@ class ShadowCache:
             self.queue = WorkloadAwareFreeQueue(blocks, None, clock=self.clock, registry=self.registry)
             self.tagger = BlockTagger(self.queue, blocks, class_key=self.key)
         return self.queue
+
+    def set_key(self, key: ClassKey) -> None:
+        """A new class key (a learned key's table changed); takes effect at the next release."""
+        self.key = key
+        if self.tagger is not None:
+            self.tagger.set_class_key(key)
 
     def set_params(self, params: WAParams) -> None:
         if self.queue is not None and not self.spec.lru:

@@ -183,3 +183,18 @@ def naive_exponential(data: SurvivalData, freed: float) -> tuple[float, float]:
         return 0.0, 0.0
     return min(1.0, n_e / freed), n_e / max(float((data.events * _MIDS).sum()), 1e-9)
 
+
+
+def reuse_within(data: SurvivalData, horizon_s: float) -> float:
+    """Kaplan-Meier estimate of P(reused within ``horizon_s``) from the binned data.
+
+    Censored observations leave the risk set at their bin; a bin's events and
+    censorings are treated as events first (the usual tie convention).  No
+    model is fitted, so it is cheap enough to rank hundreds of cells.
+    """
+    last = gap_bin(max(0.0, horizon_s))
+    ev, ce = data.events[: last + 1], data.censored[: last + 1]
+    at_risk = data.n - np.concatenate(([0.0], np.cumsum(ev + ce)[:-1]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hazard = np.where(at_risk > 0, ev / at_risk, 0.0)
+    return float(1.0 - np.prod(1.0 - np.clip(hazard, 0.0, 1.0)))
