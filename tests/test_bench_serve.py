@@ -329,3 +329,22 @@ def test_suite_dry_run_plans_same_size_servers_and_refuses_caches_too_small(tmp_
     gpu = [line for line in out.splitlines() if "] server:" in line]
     assert gpu and not any("--enforce-eager" in s or "VLLM_CPU" in s for s in gpu)
     assert "time scale 1 " in out and "the shipped defaults" in out
+
+
+def test_suite_wa_candidate_runs_one_candidate_with_the_tuner_off(tmp_path, capsys):
+    from vllm_wa.bench import suite
+
+    trace = tmp_path / "t.jsonl"
+    write_bailian(trace)
+    name = "tag+outcome+think/hyper/posterior/L10"
+    out_dir = tmp_path / "out"
+    common = ["--trace", str(trace), "--out-dir", str(out_dir), "--block-size", "32", "--max-prompt-blocks", "3",
+              "--sizes", "100%"]
+    plan = suite.make_plan(suite.parse_args(common + ["--wa-candidate", name]))
+    cfg = ControllerConfig.load(plan.wa_config)
+    assert not cfg.tuner_enabled and cfg.initial == "tag+outcome+think/hyper/posterior/L0.5"  # horizon x 0.05
+    assert cfg.refit_interval_s == 1.0 and cfg.memory_s == pytest.approx(90.0)  # still scaled by 0.05
+    with pytest.raises(SystemExit, match="must name a candidate"):
+        suite.make_plan(suite.parse_args(common + ["--wa-candidate", "nope"]))
+    with pytest.raises(SystemExit, match="scaled shipped config"):
+        suite.make_plan(suite.parse_args(common + ["--wa-candidate", name, "--wa-config", "default"]))

@@ -3,7 +3,7 @@
 A benchmark that plays a trace ``1/scale`` times faster also shortens every
 reuse gap by ``scale``; for the controller to see the trace as it would at
 trace speed, its time constants (refit interval, memories, tuner windows and
-batches, candidate horizons) shrink by the same factor.  Counts (samples,
+batches, candidate horizons and learned-class splits) shrink by the same factor.  Counts (samples,
 requests, batches) stay as they are.
 """
 
@@ -30,7 +30,9 @@ def time_scaled(cfg: ControllerConfig, scale: float, min_refit_s: float = 1.0) -
         if f.name.endswith("_s") and isinstance(v, (int, float)) and not isinstance(v, bool):
             changes[f.name] = v * scale
     changes["refit_interval_s"] = max(min_refit_s, changes["refit_interval_s"])
-    cands = tuple(c if c.lru else replace(c, horizon=c.horizon * scale) for c in cfg.candidates)
+    cands = tuple(
+        c if c.lru else replace(c, horizon=c.horizon * scale, split_s=c.split_s * scale) for c in cfg.candidates
+    )
     renamed = {c.name: s.name for c, s in zip(cfg.candidates, cands)}
     changes["candidates"] = cands
     changes["initial"] = renamed.get(cfg.initial, cfg.initial)

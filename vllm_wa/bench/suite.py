@@ -24,7 +24,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -152,18 +152,29 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 def _wa_config_path(args: argparse.Namespace) -> str | None:
-    """``scaled``: the shipped controller config with its time constants times the time scale."""
-    if args.wa_config == "default" or (args.wa_config == "scaled" and args.time_scale == 1.0):
+    """``scaled``: the shipped controller config with its time constants times the time scale
+    (with ``--wa-candidate``: the tuner off, on that candidate)."""
+    fixed = getattr(args, "wa_candidate", None)
+    if args.wa_config != "scaled" and fixed:
+        raise SystemExit("--wa-candidate goes with the scaled shipped config, not with --wa-config")
+    if not fixed and (args.wa_config == "default" or (args.wa_config == "scaled" and args.time_scale == 1.0)):
         return None
     if args.wa_config != "scaled":
         return os.path.abspath(args.wa_config)
-
-    path = os.path.abspath(os.path.join(args.out_dir, f"controller-x{args.time_scale:g}.toml"))
+    config = ControllerConfig()
+    if fixed:
+        names = [c.name for c in config.all_candidates if not c.lru]
+        if fixed not in names:
+            raise SystemExit(f"--wa-candidate must name a candidate of the shipped config: {names}")
+        config = replace(config, tuner_enabled=False, initial=fixed)
+    suffix = f"-{fixed.split('/')[0]}" if fixed else ""
+    path = os.path.abspath(os.path.join(args.out_dir, f"controller-x{args.time_scale:g}{suffix}.toml"))
     if not args.dry_run:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
-            f.write(f"# configs/controller.toml defaults, time constants x {args.time_scale:g} (vllm-wa bench-serve)\n")
-            f.write(to_toml(time_scaled(ControllerConfig(), args.time_scale)))
+            what = f"tuner off on {fixed}" if fixed else "defaults"
+            f.write(f"# configs/controller.toml {what}, time constants x {args.time_scale:g} (vllm-wa bench-serve)\n")
+            f.write(to_toml(time_scaled(config, args.time_scale)))
     return path
 
 
@@ -238,7 +249,8 @@ def fidelity_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The suite's options, with the CPU or GPU defaults filled in."""
     ap = argparse.ArgumentParser(prog="python -m vllm_wa.bench.suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(resources.files("vllm_wa") / "data" / SAMPLE))
@@ -259,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="lru,wa-online")
     ap.add_argument("--wa-config", default="scaled",
                     help="'scaled' (the shipped config, time constants x time scale), 'default', or a TOML path")
+    ap.add_argument("--wa-candidate", help="run the --wa-online servers on this candidate with the tuner off "
+                    "(a name from configs/controller.toml, e.g. tag+outcome+think/hyper/posterior/L10): what the "
+                    "policy itself does on a real server, where a short slice gives the tuner too little evidence")
     ap.add_argument("--max-num-seqs", type=int, help="cap on the batch size (also limited so nothing is preempted)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--window", type=float, default=3600.0)
@@ -274,10 +289,14 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     if args.gpu and not args.model:
         ap.error("--gpu needs --model PATH (weights you supply; nothing is downloaded)")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not set(policies) <= {"lru", "wa-online"}:
+    if not {p.strip() for p in args.policies.split(",") if p.strip()} <= {"lru", "wa-online"}:
         ap.error("--policies: lru and/or wa-online")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     t_start = time.monotonic()
     plan = make_plan(args)
     print(plan.describe(), flush=True)
