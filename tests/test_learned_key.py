@@ -126,5 +126,9 @@ def test_controller_learns_which_cells_come_back_soon():
     assert fast == {class_name(1)} and slow == {class_name(0)}, table
     # The live tagger runs the learned table, and the state shows its classes.
     assert pol.tagger.class_key == pol.controller.candidates[spec.name].key
-    (row,) = [c for c in pol.controller.state()["candidates"] if c["name"] == spec.name]
+    state = pol.controller.state()
+    (row,) = [c for c in state["candidates"] if c["name"] == spec.name]
     assert row["learned_cells"] == {"l:0": 2, "l:1": 2}
+    # With the tuner off the fixed candidate's time still counts (bench-serve reports it).
+    on = state["seconds_on_candidate"]
+    assert on["lru"] == 0.0 and on[spec.name] > 0.9 * (setup.trace.end - setup.trace.start)

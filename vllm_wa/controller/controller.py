@@ -300,6 +300,8 @@ class WAController:
                 logger.info("vllm-wa tuner: %s %s -> %s (lead %.4f, bound %.4f, %d requests in %d batches)",
                             sw.reason, sw.from_candidate, sw.to_candidate, sw.lead, sw.lower_bound,
                             sw.requests, sw.batches)
+        else:
+            self.tuner.account(now)  # the fixed candidate's time still counts
         self.refits += 1
         self.last_refit = now
         self._swap(now)

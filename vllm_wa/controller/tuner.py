@@ -215,11 +215,15 @@ class Tuner:
             return cmp, lb
         return None
 
-    def decide(self, now: float) -> Switch | None:
-        """Called at each refit: switch when the evidence says so."""
+    def account(self, now: float) -> None:
+        """Count the time since the last call on the running candidate."""
         if self._last is not None and now > self._last:
             self.seconds_on[self.active] += now - self._last
         self._last = now
+
+    def decide(self, now: float) -> Switch | None:
+        """Called at each refit: switch when the evidence says so."""
+        self.account(now)
         demote = self._demotion(now)
         if demote is not None:
             cmp, lb = demote
