@@ -357,6 +357,26 @@ def test_feature_key_names_and_buckets():
         FeatureKey(("color",))
 
 
+def test_feature_key_call_names_the_same_class_as_the_controllers_finest_classes():
+    """The engine's fast path (``key(...)``) and the controller's pooling
+    (``name_of(components(...))``) must agree, or a class's data and its blocks part."""
+    import itertools
+
+    from vllm_wa.controller.features import FEATURES
+    from vllm_wa.engine_patch.conversations import TurnTiming
+
+    rng = random.Random(0)
+    keys = [FeatureKey(c) for r in range(4) for c in itertools.combinations(FEATURES, r)] + [FeatureKey(FEATURES)]
+    for _ in range(300):
+        timing = None if rng.random() < 0.3 else TurnTiming(
+            1, 0, rng.randint(1, 30), rng.choice([None, rng.uniform(0, 4000)]), rng.choice([None, rng.uniform(0, 1)])
+        )
+        req = RequestTags("r", rng.choice(["a", "tool"]), rng.choice([None, "tool", "stop"]), rng.randint(0, 3000), timing)
+        pos, reuse = rng.randint(0, 3000), rng.randint(0, 6)
+        for k in keys:
+            assert k(req, pos, reuse) == k.name_of(k.components(req, pos, reuse)), (k.features, req)
+
+
 def test_fit_model_families():
     d = SurvivalData()
     for g in [1, 2, 3, 5, 8]:
