@@ -7,7 +7,6 @@ from vllm_wa.engine_patch.events import (
     FinishedEvent,
     FreedEvent,
     LookupEvent,
-    TurnEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 
@@ -18,6 +17,5 @@ __all__ = [
     "FinishedEvent",
     "FreedEvent",
     "LookupEvent",
-    "TurnEvent",
     "WorkloadAwareFreeQueue",
 ]

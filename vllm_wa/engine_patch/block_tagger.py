@@ -28,7 +28,6 @@ from vllm_wa.engine_patch.events import (
     FinishedEvent,
     FreedEvent,
     LookupEvent,
-    TurnEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
@@ -87,7 +86,6 @@ class _FreedRequest:
     tags: RequestTags
     serial: int
     block_ids: list[int]
-    turn: Any = None  # its conversation tip, labelled when the next turn comes
 
 
 @dataclass(slots=True)
@@ -151,8 +149,6 @@ class BlockTagger:
         self._serial = 0
         self._looked_up: dict[str, _Lookup | None] = {}
         self.conversations = conversations
-        if conversations is not None and sink is not None:
-            conversations.on_label = self._emit_label
         # Freed requests by the key late facts arrive under (see request_key);
         # several engine requests (n > 1) can share one key.
         self._finished: OrderedDict[str, list[_FreedRequest]] = OrderedDict()
@@ -347,7 +343,7 @@ class BlockTagger:
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
         if look is not None and self.conversations is not None and finished:
-            rec.turn = self.conversations.finished(look.timing, look.tips, look.prompt_blocks, req, now)
+            self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
@@ -422,8 +418,6 @@ class BlockTagger:
     def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
         req = replace(rec.tags, outcome=outcome)
         rec.tags = req
-        if rec.turn is not None:
-            rec.turn.features = req
         self.reclassified_requests += 1
         queue = self.queue
         owner = self._owner
@@ -460,6 +454,3 @@ class BlockTagger:
         if sink is not None:
             t = self.queue.clock() if now is None else now
             sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, None))
-
-    def _emit_label(self, features: RequestTags, delay: float | None, exposure: float, now: float) -> None:
-        self.sink.emit(TurnEvent(EventKind.TURN, now, features, delay, exposure))

@@ -14,9 +14,8 @@ reply's length.  A conversation is named by a content-derived key, the hash
 of the first block where its first prompt left what was already cached (a
 shared system prompt stays outside it), so every turn of it samples alike.
 
-The link also labels the previous turn: its next turn came after the think
-time.  A tip that ages out (or is pushed out of the bounded index) without a
-continuation is a censored label.  Both are handed to ``on_label``.
+A tip that ages out (or is pushed out of the bounded index) without a
+continuation is counted as censored (``counters``).
 
 State is bounded: ``capacity`` tips (two per finished request), expired
 after ``max_age_s``.
@@ -25,7 +24,7 @@ after ``max_age_s``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +47,7 @@ class _Tip:
     timing: TurnTiming
     prompt_blocks: int
     finished: float
-    features: Any  # what the finished request was filed under (RequestTags)
-    labelled: bool = False
+    resolved: bool = False  # continued, or counted as censored
 
 
 @dataclass
@@ -64,11 +62,8 @@ class ConversationTracker:
 
     Args:
         capacity: tips kept (two per finished request).
-        max_age_s: a tip older than this is dropped as a censored label.
+        max_age_s: a tip older than this is dropped (counted as censored).
         max_scan: block hashes probed per lookup, from the prompt's end.
-        on_label: called with ``(features, delay, exposure, now)``: ``delay``
-            the observed time to the next turn, or None with the
-            ``exposure`` at which a turn was last seen waiting.
     """
 
     def __init__(
@@ -76,12 +71,10 @@ class ConversationTracker:
         capacity: int = 1 << 16,
         max_age_s: float = 7200.0,
         max_scan: int = 8192,
-        on_label: Callable[[Any, float | None, float, float], None] | None = None,
     ) -> None:
         self.capacity = max(2, int(capacity))
         self.max_age_s = float(max_age_s)
         self.max_scan = max(1, int(max_scan))
-        self.on_label = on_label
         self.tips: OrderedDict[Any, _Tip] = OrderedDict()
         self.counters = ConversationCounters()
 
@@ -103,21 +96,15 @@ class ConversationTracker:
             return TurnTiming(key, start, 1, None, None)
         self.counters.continuations += 1
         think = max(0.0, now - prev.finished)
-        if not prev.labelled:
-            prev.labelled = True
-            if self.on_label is not None:
-                self.on_label(prev.features, think, think, now)
+        prev.resolved = True
         p = prev.timing
         growth = (n - prev.prompt_blocks) / max(1, prev.prompt_blocks)
         return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
 
-    def finished(self, timing: TurnTiming, tip_hashes: Sequence[Any], prompt_blocks: int, features: Any, now: float) -> _Tip:
-        """A request released its blocks: its prompt's last full blocks become tips.
-
-        Returns the tip, whose ``features`` a late fact (the reply called a
-        tool) may still update before it is labelled."""
+    def finished(self, timing: TurnTiming, tip_hashes: Sequence[Any], prompt_blocks: int, now: float) -> None:
+        """A request released its blocks: its prompt's last full blocks become tips."""
         self.expire(now)
-        tip = _Tip(timing, prompt_blocks, now, features)
+        tip = _Tip(timing, prompt_blocks, now)
         tips = self.tips
         for h in tip_hashes:
             tips[h] = tip
@@ -125,7 +112,6 @@ class ConversationTracker:
         while len(tips) > self.capacity:
             _, old = tips.popitem(last=False)
             self._censor(old, now)
-        return tip
 
     def expire(self, now: float) -> None:
         """Drop tips older than ``max_age_s`` (censored at that age)."""
@@ -139,12 +125,10 @@ class ConversationTracker:
             self._censor(tip, now)
 
     def _censor(self, tip: _Tip, now: float) -> None:
-        if tip.labelled:
+        if tip.resolved:
             return
-        tip.labelled = True
+        tip.resolved = True
         self.counters.censored += 1
-        if self.on_label is not None:
-            self.on_label(tip.features, None, now - tip.finished, now)
 
     def __len__(self) -> int:
         return len(self.tips)

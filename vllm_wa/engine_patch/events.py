@@ -27,7 +27,6 @@ class EventKind(IntEnum):
     EVICTED = 1
     LOOKUP = 2
     FINISHED = 3
-    TURN = 4
 
 
 class FreedEvent(NamedTuple):
@@ -81,19 +80,7 @@ class FinishedEvent(NamedTuple):
     request: Any
 
 
-class TurnEvent(NamedTuple):
-    """A label for the turn-delay model: the conversation of a finished request
-    (``request``, its ``RequestTags``) came back after ``delay`` seconds, or
-    had not after ``exposure`` seconds (``delay`` None: censored)."""
-
-    kind: EventKind
-    time: float
-    request: Any
-    delay: float | None
-    exposure: float
-
-
-Event = FreedEvent | EvictedEvent | LookupEvent | FinishedEvent | TurnEvent
+Event = FreedEvent | EvictedEvent | LookupEvent | FinishedEvent
 
 
 def hash_sample_value(block_hash: Any) -> int:
