@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = default_sets() if not args.sets else [tuple(s.split("+")) for s in args.sets.split(",")]
     base = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
     for s in sets:
-        candidate(s)  # unknown features fail here, before the trace loads
-        ControllerConfig(candidates=(candidate(s),))
+        ControllerConfig(candidates=(candidate(s),))  # unknown features fail here, before the trace loads
     t0 = time.perf_counter()
     trace = load_trace_cached(args.trace, agentic=AgenticOptions(max_conversations=args.conversations))
     setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())

@@ -392,7 +392,7 @@ def test_fit_model_families():
 def test_shadow_caches_release_requests_whose_finish_was_lost():
     from vllm_wa.controller.shadow import ShadowCache
 
-    sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, max_classes=8)
+    sc = ShadowCache(CandidateSpec(("tag",)), num_blocks=20, max_classes=8, key=FeatureKey(("tag",)))
     for i in range(3):
         sc.lookup(f"r{i}", "t", [("h", i, j) for j in range(6)], float(i))
     assert sc.cache.pool.num_free_blocks == 1  # 19 usable, 18 pinned

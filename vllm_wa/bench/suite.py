@@ -154,7 +154,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def _wa_config_path(args: argparse.Namespace) -> str | None:
     """``scaled``: the shipped controller config with its time constants times the time scale
     (with ``--wa-candidate``: the tuner off, on that candidate)."""
-    fixed = getattr(args, "wa_candidate", None)
+    fixed = args.wa_candidate
     if args.wa_config != "scaled" and fixed:
         raise SystemExit("--wa-candidate goes with the scaled shipped config, not with --wa-config")
     if not fixed and (args.wa_config == "default" or (args.wa_config == "scaled" and args.time_scale == 1.0)):
@@ -289,14 +289,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.gpu and not args.model:
         ap.error("--gpu needs --model PATH (weights you supply; nothing is downloaded)")
-    if not {p.strip() for p in args.policies.split(",") if p.strip()} <= {"lru", "wa-online"}:
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not set(args.policies) <= {"lru", "wa-online"}:
         ap.error("--policies: lru and/or wa-online")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = args.policies
     t_start = time.monotonic()
     plan = make_plan(args)
     print(plan.describe(), flush=True)

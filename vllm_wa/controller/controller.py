@@ -322,7 +322,7 @@ class WAController:
         np.add.at(counts, (fids, bins), 1.0)
         return {int(f): SurvivalData(np.zeros(NUM_BINS), counts[f]) for f in np.flatnonzero(counts.sum(axis=1))}
 
-    def _class_data(self, key: FeatureKey, at_risk: dict[int, SurvivalData]) -> dict[str, SurvivalData]:
+    def _class_data(self, key: ClassKey, at_risk: dict[int, SurvivalData]) -> dict[str, SurvivalData]:
         """The observations of each class of ``key``: its finest classes pooled."""
         members: dict[str, list[int]] = {}
         for fid, comps in enumerate(self._fine):
@@ -341,14 +341,10 @@ class WAController:
         if table != key.table:
             key = cand.key = LearnedKey(key.cells, table)
             cand.shadow.set_key(key)
-        classes: dict[str, SurvivalData] = {}
+        members: dict[str, list[SurvivalData]] = {}
         for cell, d in cells.items():
-            name = key.class_of(cell)
-            if name in classes:
-                classes[name] += d
-            else:
-                classes[name] = d.copy()
-        return classes
+            members.setdefault(key.class_of(cell), []).append(d)
+        return {name: pooled((), *ds) for name, ds in members.items()}
 
     def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
         spec, key = cand.spec, cand.key
@@ -457,12 +453,7 @@ class WAController:
         cand = self.candidates[self.active]
         key = cand.key or FeatureKey(("tag",))
         out: dict[str, dict[str, Any]] = {}
-        pooled: dict[str, SurvivalData] = {}
-        for fid, comps in enumerate(self._fine):
-            name = key.name_of(comps)
-            pooled.setdefault(name, SurvivalData())
-            pooled[name] += self.estimators[fid].data
-        for name, d in sorted(pooled.items()):
+        for name, d in sorted(self._class_data(key, {}).items()):
             m = self.params.models.get(name) if self.params else None
             out[name] = {
                 "reuse_probability": m.p if m is not None else None,

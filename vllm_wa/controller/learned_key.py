@@ -60,10 +60,10 @@ class LearnedKey:
 
     def name_of(self, comps: tuple[Any, ...]) -> str:
         """Class of a finest-class tuple (the controller pools its data by it)."""
-        return self._lookup.get(self.cells.name_of(comps), FALLBACK)
+        return self.class_of(self.cells.name_of(comps))
 
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
-        return self._lookup.get(self.cells(request, position, reuse_count), FALLBACK)
+        return self.class_of(self.cells(request, position, reuse_count))
 
 
 def assign(cells: Mapping[str, SurvivalData], k: int, min_events: float, split_s: float) -> tuple[tuple[str, str], ...]:

@@ -31,10 +31,11 @@ ClassKey = FeatureKey | LearnedKey
 class ShadowCache:
     """One candidate's miniature cache."""
 
-    def __init__(self, spec: CandidateSpec, num_blocks: int, max_classes: int, key: ClassKey | None = None) -> None:
+    def __init__(self, spec: CandidateSpec, num_blocks: int, max_classes: int, key: ClassKey | None) -> None:
+        """``key`` is the candidate's class key (None for LRU)."""
         self.spec = spec
         self.name = spec.name
-        self.key = key if key is not None or spec.lru else FeatureKey(tuple(spec.features))
+        self.key = key
         self.clock = SettableClock()
         self.tagger: BlockTagger | None = None
         self.queue: Any = None

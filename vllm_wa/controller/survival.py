@@ -184,7 +184,6 @@ def naive_exponential(data: SurvivalData, freed: float) -> tuple[float, float]:
     return min(1.0, n_e / freed), n_e / max(float((data.events * _MIDS).sum()), 1e-9)
 
 
-
 def reuse_within(data: SurvivalData, horizon_s: float) -> float:
     """Kaplan-Meier estimate of P(reused within ``horizon_s``) from the binned data.
 
