@@ -11,18 +11,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_wa.controller.checkpoint import CheckpointError, parse_checkpoint, read_checkpoint
+from vllm_wa.controller.checkpoint import Checkpoint, CheckpointError, parse_checkpoint, read_checkpoint
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.survival import NUM_BINS
+from vllm_wa.controller.features import FINEST
+from vllm_wa.controller.survival import NUM_BINS, SurvivalData
 from vllm_wa.engine_patch.block_tagger import RequestTags
 from vllm_wa.engine_patch.events import EventKind, EventSink, FinishedEvent, FreedEvent, LookupEvent
+from vllm_wa.params import WAParams
 
 
 def config(**kw) -> ControllerConfig:
     base = dict(refit_interval_s=1.0, fit_interval_s=1.0, min_samples=5, tuner_min_requests=10, tuner_min_batches=2,
                 tuner_batch_s=1.0, tuner_window_s=60.0, tuner_demote_window_s=10.0,
-                initial="tag+outcome/hyper/posterior/L10")
+                initial="tag+outcome/hyper/posterior/L10", class_confidence=0.0)  # a few reuses: own fits
     base.update(kw)
     return ControllerConfig(**base)
 
@@ -217,3 +219,18 @@ def test_write_failures_are_counted_shown_and_warned_once_per_cause(tmp_path, ca
     c.refit()
     assert missing.exists() and c.checkpoint_failures.count == 5
     assert json.loads(missing.read_text())["version"] == 2
+
+
+def test_checkpoint_keeps_lookup_counts_and_reads_older_checkpoints():
+    d = SurvivalData()
+    d.add_event(3.0)
+    d.groups = 1.0
+    ckpt = Checkpoint(None, WAParams.lru(), ((FINEST.components(RequestTags("r", "chat", "stop"), 0, 0), d),))
+    raw = json.loads(json.dumps(ckpt.to_json()))
+    assert parse_checkpoint(raw, max_classes=8).classes[0][1].groups == 1.0
+    del raw["classes"][0]["data"]["groups"]  # written before lookups were counted
+    assert parse_checkpoint(raw, max_classes=8).classes[0][1].groups == 0.0
+    for bad in (-1.0, float("nan"), "2", True):
+        raw["classes"][0]["data"]["groups"] = bad
+        with pytest.raises(CheckpointError):
+            parse_checkpoint(raw, max_classes=8)

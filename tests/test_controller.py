@@ -15,10 +15,14 @@ from vllm_wa.controller.estimators import ReuseEstimator, fit_model
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.survival import (
+    _MIDS,
     SurvivalData,
     fit_exponential,
     fit_hyperexponential,
+    log_likelihood,
     naive_exponential,
+    separates,
+    separation_threshold,
 )
 from vllm_wa.engine_patch.block_tagger import RequestTags
 from vllm_wa.engine_patch.events import (
@@ -175,9 +179,10 @@ def test_blocks_of_one_lookup_are_one_drift_observation():
 
 
 def small_config(**kw) -> ControllerConfig:
+    # A few dozen reuses per class: each class keeps its own fit (no separation test).
     base = dict(refit_interval_s=1.0, fit_interval_s=1.0, min_samples=5, tuner_min_requests=10, tuner_min_batches=2,
                 tuner_batch_s=1.0, tuner_window_s=60.0, tuner_demote_window_s=10.0,
-                initial="tag+outcome/hyper/posterior/L10")
+                initial="tag+outcome/hyper/posterior/L10", class_confidence=0.0)
     base.update(kw)
     return ControllerConfig(**base)
 
@@ -274,6 +279,8 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, caplog):
     assert fresh.load_checkpoint(str(path))
     assert len(fresh.estimators) == len(c.estimators)
     assert fresh.estimators[0].data.n == pytest.approx(c.estimators[0].data.n)
+    assert fresh.estimators[0].data.groups == pytest.approx(c.estimators[0].data.groups)
+    assert c.estimators[0].data.groups > 0
     assert fresh.params.models == c.params.models
     for bad in ["{not json", json.dumps({"version": 99}), json.dumps({"version": 1, "classes": [{"components": [1]}]})]:
         path.write_text(bad)
@@ -430,3 +437,105 @@ def test_model_fit_refits_only_when_the_data_moved():
     assert fit.get(d) is first
     d.add_event(200.0, 30)
     assert fit.get(d) is not first
+
+
+# ---- when a class keeps its own model -----------------------------------------------------------
+
+
+def clustered_data(rng: random.Random, p: float, mean_gap: float, lookups: int, blocks: int,
+                   count_groups: bool = True) -> SurvivalData:
+    """Prompts of ``blocks`` blocks, freed together and reused together (or not):
+    reused w.p. ``p`` after Exp(mean ``mean_gap``), else censored at a uniform
+    exposure of up to 30 minutes, like a watch that expired."""
+    d = SurvivalData()
+    for _ in range(lookups):
+        if rng.random() < p:
+            gap = rng.expovariate(1.0 / mean_gap)
+            for _ in range(blocks):
+                d.add_event(gap)
+            d.groups += 1.0 if count_groups else 0.0
+        else:
+            exposure = rng.uniform(0.0, 1800.0)
+            for _ in range(blocks):
+                d.add_censored(exposure)
+    return d
+
+
+def test_log_likelihood_is_the_censored_likelihood_of_the_bins():
+    m = ReuseModel((0.3, 0.2), (1.0 / 5, 1.0 / 300))
+    d = SurvivalData()
+    for g in (0.5, 3.0, 40.0, 900.0):
+        d.add_event(g)
+    d.add_censored(60.0, weight=2.0)
+    mids = {b: float(x) for b, x in enumerate(_MIDS)}
+    want = 0.0
+    for b in np.flatnonzero(d.events):
+        x = mids[int(b)]
+        want += d.events[b] * math.log(0.3 / 5 * math.exp(-x / 5) + 0.2 / 300 * math.exp(-x / 300))
+    for b in np.flatnonzero(d.censored):
+        want += d.censored[b] * math.log(m.survival(mids[int(b)]))
+    assert log_likelihood(m, d) == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("family", ["hyperexponential", "exponential"])
+def test_classes_of_one_law_share_the_pooled_model_and_different_laws_separate(family):
+    threshold = separation_threshold(0.999, family)
+    rng = random.Random(7)
+    same = scaled = differ = 0
+    for _ in range(20):
+        a = clustered_data(rng, 0.6, 30.0, 150, 50)
+        b = clustered_data(rng, 0.6, 30.0, 150, 50)
+        c = clustered_data(rng, 0.6, 600.0, 150, 50)
+        pool_ab = SurvivalData()
+        pool_ab += a
+        pool_ab += b
+        pool_ac = SurvivalData()
+        pool_ac += a
+        pool_ac += c
+        own_a, pooled_ab, own_c, pooled_ac = (fit_model(x, family) for x in (a, pool_ab, c, pool_ac))
+        same += separates(own_a, pooled_ab, a, threshold)
+        differ += separates(own_c, pooled_ac, c, threshold)
+        # Counting each block as an observation (no lookups) finds differences that are not there.
+        blind = a.copy()
+        blind.groups = 0.0
+        scaled += separates(own_a, pooled_ab, blind, threshold)
+    assert same <= 1 and differ == 20 and scaled >= 10, (same, differ, scaled)
+    assert separates(own_a, pooled_ab, a, separation_threshold(0.0, family))  # 0 turns the test off
+
+
+def feed_law(sink: EventSink, t0: float, gap_of, rounds: int = 40, n_conv: int = 8) -> float:
+    """Conversations whose next turn comes after ``gap_of(tag, rng)`` seconds."""
+    rng = random.Random(3)
+    t = t0
+    pending = [(t0 + 0.01 * c, c, 0) for c in range(n_conv)]
+    while pending:
+        pending.sort()
+        t, c, r = pending.pop(0)
+        tag = "tool" if c % 2 else "human"
+        rid = f"{tag}-{c}-{r}"
+        hashes = tuple((j, (c, j)) for j in range(4 + r))
+        sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ()))
+        req = RequestTags(rid, tag, "tool" if tag == "tool" else "stop")
+        for j, h in hashes:
+            sink.emit(FreedEvent(EventKind.FREED, t + 0.1, h, req, j, r))
+        sink.emit(FinishedEvent(EventKind.FINISHED, t + 0.1, rid, req))
+        if r + 1 < rounds:
+            pending.append((t + 0.1 + gap_of(tag, rng), c, r + 1))
+    return t + 1.0
+
+
+@pytest.mark.parametrize("tool_gap,separate", [(600.0, False), (3.0, True)])
+def test_controller_scores_classes_that_do_not_separate_by_the_pooled_model(tool_gap, separate):
+    sink = EventSink(capacity=1 << 20)
+    clock = [0.0]
+    config = small_config(tuner_enabled=False, initial="tag/hyper/posterior/L10", sample_rate=1.0,
+                          class_confidence=0.999)
+    c = WAController(config, 5000, Applied(), sink, clock=lambda: clock[0])
+    clock[0] = feed_law(sink, 0.0, lambda tag, rng: rng.expovariate(1 / (tool_gap if tag == "tool" else 600.0)))
+    c.refit()
+    models = c.candidates["tag/hyper/posterior/L10"].params.models
+    assert c.errors == 0
+    if separate:
+        assert {"tool", "human"} <= set(models)
+    else:
+        assert not models  # one law: every class is scored by the pooled model (LRU order)

@@ -123,6 +123,9 @@ def workdir(tmp_path_factory):
     cfg = d / "wa.toml"
     cfg.write_text(
         "[controller]\nrefit_interval_s = 1.0\nfit_interval_s = 1.0\nmin_samples = 2\nsample_rate = 1.0\nmemory_s = 600\n"
+        # A handful of reuses per class: each class keeps its own fit (no separation test),
+        # so the per-class path is what these tests exercise.
+        "class_confidence = 0\n"
         # The tuner stays on the WA candidate: these tests check the serving path and the
         # dashboard's per-class series, which a demotion to LRU would remove (the tuner's
         # switching is tested on generated traces in test_tuner.py).

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.tuner import LRU, PairedHits, Tuner, TunerSettings, sequential_z
+from vllm_wa.controller.tuner import LRU, Comparison, PairedHits, Tuner, TunerSettings, sequential_z
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.params import ReuseModel, WAParams, params_changed
 
@@ -82,6 +82,29 @@ def test_leads_early_loses_later_back_on_lru_within_the_demotion_window():
     # The demoted candidate's early lead no longer counts: it stays demoted.
     run(tuner, rng, t, t + 600.0, 0.40, 0.30)
     assert tuner.active == LRU
+
+
+def just_promoted_demotions(episodes: int, seed: int) -> int:
+    """Candidates as good as LRU, checked for demotion three batches after
+    their promotion (each batch's lead is noise of 1 point)."""
+    rng = random.Random(seed)
+    demoted = 0
+    for _ in range(episodes):
+        tuner = Tuner([LRU, WA], SETTINGS)
+        tuner._switch(0.0, WA, "promote", Comparison(0.0, 0.0, 0, 0, 0), 0.0)
+        for b in range(3):
+            diff = round(1000 * rng.gauss(0.0, 0.01))
+            tuner.record(30.0 * b + 1.0, 1000, [400 + diff, 400])
+        demoted += tuner.decide(61.0) is not None
+    return demoted
+
+
+def test_noise_in_the_few_batches_after_a_promotion_does_not_demote():
+    # Student's t on three batches (two degrees of freedom): about 5 % of
+    # noise-only windows clear the bound. A normal quantile on so few batches
+    # demoted about three times as often.
+    assert just_promoted_demotions(400, seed=11) <= 0.065 * 400
+    assert Tuner([LRU, WA], SETTINGS)._demote_quantile(2) == pytest.approx(6.314, abs=1e-3)
 
 
 def test_seconds_on_each_candidate_add_up():

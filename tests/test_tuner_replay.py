@@ -42,13 +42,14 @@ def uninformative_trace(seed: int = 0, conversations: int = 600) -> Trace:
 
 
 def test_on_a_trace_no_feature_predicts_the_tuner_stays_on_lru():
-    """The tuner's time off LRU on traffic where no candidate has a real lead.
+    """On traffic where no candidate has a real lead, ``wa-online`` is LRU.
 
-    Issue 8 also asks for ``wa-online`` within 0.2 points of ``lru`` here; on
-    this trace (size 300) it is 0.63 points below: one promotion, on a 3.7 %
-    lead that held for 15 minutes of the miniature caches (hit rates of any
-    two orders drift apart for minutes at a time on this traffic), ran 260 s
-    before the demotion. That shortfall is reported, not asserted away.
+    Issue 8's bounds: at most 5 % of the trace off LRU, and ``wa-online``
+    within 0.2 points of ``lru``. Every class a candidate forms here has one
+    reuse law, so none rejects the pooled model (``class_confidence``) and
+    every candidate orders blocks as LRU does: no lead to promote on. Before
+    that test, one promotion on a 3.7 % miniature-cache lead that held for
+    15 minutes (noisy per-class fits) cost 0.63 points.
     """
     trace = uninformative_trace()
     config = ControllerConfig(
@@ -68,4 +69,4 @@ def test_on_a_trace_no_feature_predicts_the_tuner_stays_on_lru():
     # Every switch away from LRU came back (a demotion follows each promotion).
     reasons = [s["reason"] for s in wa.extra["switches"]]
     assert reasons.count("promote") == reasons.count("demote")
-    assert wa.token_hit_rate >= lru.token_hit_rate - 0.01
+    assert wa.token_hit_rate >= lru.token_hit_rate - 0.002

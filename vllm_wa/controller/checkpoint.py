@@ -96,8 +96,8 @@ def _components(raw: Any, where: str) -> Components:
 
 
 def _survival(raw: Any, where: str) -> SurvivalData:
-    if not isinstance(raw, dict) or set(raw) != {"events", "censored"}:
-        raise CheckpointError(f"{where}.data must be an object with 'events' and 'censored'")
+    if not isinstance(raw, dict) or not {"events", "censored"} <= set(raw) <= {"events", "censored", "groups"}:
+        raise CheckpointError(f"{where}.data must be an object with 'events', 'censored' and optionally 'groups'")
     arrays = []
     for key in ("events", "censored"):
         values = raw[key]
@@ -106,7 +106,10 @@ def _survival(raw: Any, where: str) -> SurvivalData:
         for v in values:
             check_number(f"{where}.data.{key}", v, ge=0, error=CheckpointError)
         arrays.append(np.asarray(values, dtype=float))
-    return SurvivalData(arrays[0], arrays[1])
+    # Written before lookups were counted: every reused block counts as an observation.
+    groups = raw.get("groups", 0.0)
+    check_number(f"{where}.data.groups", groups, ge=0, error=CheckpointError)
+    return SurvivalData(arrays[0], arrays[1], float(groups))
 
 
 def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:

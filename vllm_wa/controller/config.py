@@ -79,6 +79,7 @@ class ControllerConfig:
     fit_interval_s: float = 30.0
     memory_s: float = 1800.0
     min_samples: float = 30.0
+    class_confidence: float = 0.999
     sample_rate: float | None = None
     shadow_blocks: int = 4096
     shadow_sampling: str = "block"
@@ -118,6 +119,7 @@ class ControllerConfig:
         for name in ("min_samples", "tuner_margin", "swap_tolerance"):
             check_number(name, getattr(self, name), ge=0, error=ConfigError)
         check_number("tuner_min_requests", self.tuner_min_requests, ge=0, integer=True, error=ConfigError)
+        check_number("class_confidence", self.class_confidence, ge=0, le=0.999999, error=ConfigError)
         for name in ("tuner_confidence", "tuner_demote_confidence"):
             check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
         if self.tuner_batch_s * 2 > self.tuner_demote_window_s:

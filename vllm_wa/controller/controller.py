@@ -38,13 +38,13 @@ from vllm_wa.controller.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from vllm_wa.controller.config import CandidateSpec, ControllerConfig
+from vllm_wa.controller.config import FAMILIES, CandidateSpec, ControllerConfig
 from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, pooled
 from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
 from vllm_wa.controller.learned_key import LearnedKey, assign
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ClassKey, ShadowCache
-from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures
+from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures, separates, separation_threshold
 from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
@@ -184,6 +184,7 @@ class WAController:
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
         self._last_fit = -math.inf
+        self._separation = {f: separation_threshold(config.class_confidence, f) for f in FAMILIES}
         self.checkpoint_failures = CheckpointFailures()
         # The state as of the last refit, published for other threads (the
         # engine loop serves /wa/params from it while a refit may be running).
@@ -353,16 +354,16 @@ class WAController:
             classes = self._learn_key(cand, at_risk)
         else:
             classes = self._class_data(key, at_risk)
+        total = pooled((), *classes.values())
+        default = self._model_fit(cand, "\0default").get(total) if total.n_events >= self.config.min_samples else None
+        threshold = self._separation[spec.family]
         models: dict[str, ReuseModel] = {}
-        total = SurvivalData()
         for name, d in classes.items():
-            total += d
             if d.n_events < self.config.min_samples:
                 continue
             m = self._model_fit(cand, name).get(d)
-            if m is not None:
+            if m is not None and (default is None or separates(m, default, d, threshold)):
                 models[name] = m
-        default = self._model_fit(cand, "\0default").get(total) if total.n_events >= self.config.min_samples else None
         if not models:
             return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, source="prior")
         return WAParams(

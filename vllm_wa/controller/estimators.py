@@ -80,6 +80,7 @@ class ReuseEstimator:
         logs = sorted(math.log1p(_seconds("gap", g)) for g in gaps)
         for g in gaps:
             self.data.add_event(g)
+        self.data.groups += 1.0
         self._adwin.update(logs[len(logs) // 2])
         if self._adwin.drift_detected:
             self.drifts += 1

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from scipy.stats import chi2
 
 from vllm_wa.params import ReuseModel
 
@@ -51,10 +53,16 @@ def bin_exposures(exposures: np.ndarray) -> np.ndarray:
 
 @dataclass
 class SurvivalData:
-    """Binned counts of reuse events and censored exposures of one class."""
+    """Binned counts of reuse events and censored exposures of one class.
+
+    ``groups`` counts the prompt lookups that brought the events back: the
+    blocks of one prompt are freed and reused together, so a lookup, not a
+    block, is one independent observation (see :func:`separates`).
+    """
 
     events: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
     censored: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    groups: float = 0.0
 
     def add_event(self, gap: float, weight: float = 1.0) -> None:
         self.events[gap_bin(max(0.0, gap))] += weight
@@ -65,14 +73,16 @@ class SurvivalData:
     def decay(self, factor: float) -> None:
         self.events *= factor
         self.censored *= factor
+        self.groups *= factor
 
     def __iadd__(self, other: SurvivalData) -> SurvivalData:
         self.events += other.events
         self.censored += other.censored
+        self.groups += other.groups
         return self
 
     def copy(self) -> SurvivalData:
-        return SurvivalData(self.events.copy(), self.censored.copy())
+        return SurvivalData(self.events.copy(), self.censored.copy(), self.groups)
 
     @property
     def n_events(self) -> float:
@@ -82,18 +92,8 @@ class SurvivalData:
     def n(self) -> float:
         return float(self.events.sum() + self.censored.sum())
 
-    def state(self) -> dict[str, list[float]]:
-        return {"events": self.events.tolist(), "censored": self.censored.tolist()}
-
-    @classmethod
-    def from_state(cls, d: dict[str, list[float]]) -> SurvivalData:
-        ev = np.asarray(d["events"], dtype=float)
-        ce = np.asarray(d["censored"], dtype=float)
-        if ev.shape != (NUM_BINS,) or ce.shape != (NUM_BINS,) or not (np.isfinite(ev).all() and np.isfinite(ce).all()):
-            raise ValueError("survival data has the wrong shape or non-finite counts")
-        if (ev < 0).any() or (ce < 0).any():
-            raise ValueError("survival data has negative counts")
-        return cls(ev, ce)
+    def state(self) -> dict[str, Any]:
+        return {"events": self.events.tolist(), "censored": self.censored.tolist(), "groups": self.groups}
 
 
 def fit_exponential(
@@ -197,3 +197,46 @@ def reuse_within(data: SurvivalData, horizon_s: float) -> float:
     with np.errstate(divide="ignore", invalid="ignore"):
         hazard = np.where(at_risk > 0, ev / at_risk, 0.0)
     return float(1.0 - np.prod(1.0 - np.clip(hazard, 0.0, 1.0)))
+
+
+def log_likelihood(model: ReuseModel, data: SurvivalData) -> float:
+    """Log-likelihood of the binned observations under ``model`` (up to the
+    bin widths, which cancel in a likelihood ratio)."""
+    w = np.asarray(model.weights)
+    r = np.asarray(model.rates)
+    ev, ce = np.flatnonzero(data.events), np.flatnonzero(data.censored)
+    dens = np.exp(-np.outer(_MIDS[ev], r)) @ (w * r)
+    surv = (1.0 - model.p) + np.exp(-np.outer(_MIDS[ce], r)) @ w
+    return float(
+        data.events[ev] @ np.log(np.maximum(dens, 1e-300)) + data.censored[ce] @ np.log(np.maximum(surv, 1e-300))
+    )
+
+
+def free_parameters(family: str) -> int:
+    """Free parameters of a fit of ``family`` (the hyperexponential's weights
+    and never mass sum to one)."""
+    return 2 if family == "exponential" else len(HYPER_SCALES)
+
+
+def separation_threshold(confidence: float, family: str) -> float:
+    """The likelihood-ratio statistic :func:`separates` needs (0: no test)."""
+    return float(chi2.ppf(confidence, free_parameters(family))) if confidence > 0 else 0.0
+
+
+def separates(own: ReuseModel, pooled_model: ReuseModel, data: SurvivalData, threshold: float) -> bool:
+    """Do a class's observations reject the pooled model in favour of its own fit?
+
+    A likelihood-ratio test, with the statistic scaled by lookups per reused
+    block: a prompt's blocks come back (or not) together, so counting each
+    block as independent would make any two classes look different. Classes
+    that fail the test are scored by the pooled model, which keeps their
+    blocks in LRU order among themselves; two noisy fits of the same law
+    would instead put one class's fresh blocks behind the other's stale ones.
+    """
+    if threshold <= 0:
+        return True
+    stat = 2.0 * (log_likelihood(own, data) - log_likelihood(pooled_model, data))
+    n_events = data.n_events
+    if data.groups > 0 and n_events > 0:
+        stat *= min(1.0, data.groups / n_events)
+    return stat > threshold
