@@ -11,7 +11,7 @@ import pytest
 
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.estimators import ReuseEstimator, fit_model
+from vllm_wa.controller.estimators import ReuseEstimator, fit_model, pooled
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.survival import (
@@ -442,8 +442,7 @@ def test_model_fit_refits_only_when_the_data_moved():
 # ---- when a class keeps its own model -----------------------------------------------------------
 
 
-def clustered_data(rng: random.Random, p: float, mean_gap: float, lookups: int, blocks: int,
-                   count_groups: bool = True) -> SurvivalData:
+def clustered_data(rng: random.Random, p: float, mean_gap: float, lookups: int, blocks: int) -> SurvivalData:
     """Prompts of ``blocks`` blocks, freed together and reused together (or not):
     reused w.p. ``p`` after Exp(mean ``mean_gap``), else censored at a uniform
     exposure of up to 30 minutes, like a watch that expired."""
@@ -453,7 +452,7 @@ def clustered_data(rng: random.Random, p: float, mean_gap: float, lookups: int, 
             gap = rng.expovariate(1.0 / mean_gap)
             for _ in range(blocks):
                 d.add_event(gap)
-            d.groups += 1.0 if count_groups else 0.0
+            d.groups += 1.0
         else:
             exposure = rng.uniform(0.0, 1800.0)
             for _ in range(blocks):
@@ -486,13 +485,7 @@ def test_classes_of_one_law_share_the_pooled_model_and_different_laws_separate(f
         a = clustered_data(rng, 0.6, 30.0, 150, 50)
         b = clustered_data(rng, 0.6, 30.0, 150, 50)
         c = clustered_data(rng, 0.6, 600.0, 150, 50)
-        pool_ab = SurvivalData()
-        pool_ab += a
-        pool_ab += b
-        pool_ac = SurvivalData()
-        pool_ac += a
-        pool_ac += c
-        own_a, pooled_ab, own_c, pooled_ac = (fit_model(x, family) for x in (a, pool_ab, c, pool_ac))
+        own_a, pooled_ab, own_c, pooled_ac = (fit_model(x, family) for x in (a, pooled((), a, b), c, pooled((), a, c)))
         same += separates(own_a, pooled_ab, a, threshold)
         differ += separates(own_c, pooled_ac, c, threshold)
         # Counting each block as an observation (no lookups) finds differences that are not there.

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.tuner import LRU, Comparison, PairedHits, Tuner, TunerSettings, sequential_z
+from vllm_wa.controller.tuner import LRU, PairedHits, Tuner, TunerSettings, sequential_z
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.params import ReuseModel, WAParams, params_changed
 
@@ -90,8 +90,7 @@ def just_promoted_demotions(episodes: int, seed: int) -> int:
     rng = random.Random(seed)
     demoted = 0
     for _ in range(episodes):
-        tuner = Tuner([LRU, WA], SETTINGS)
-        tuner._switch(0.0, WA, "promote", Comparison(0.0, 0.0, 0, 0, 0), 0.0)
+        tuner = Tuner([LRU, WA], SETTINGS, initial=WA)  # the window holds only the three batches below
         for b in range(3):
             diff = round(1000 * rng.gauss(0.0, 0.01))
             tuner.record(30.0 * b + 1.0, 1000, [400 + diff, 400])
