@@ -320,6 +320,8 @@ def test_default_config_file_matches_defaults():
         ({"controller": {"refit_interval_s": -1}}, "refit_interval_s"),
         ({"controller": {"memory_s": "long"}}, "memory_s"),
         ({"controller": {"drift_forget": 0}}, "drift_forget"),
+        ({"controller": {"class_confidence": 1.0}}, "class_confidence"),
+        ({"controller": {"class_confidence": -0.5}}, "class_confidence"),
         ({"tuner": {"margin": -0.1}}, "tuner_margin"),
         ({"tuner": {"candidates": [{"features": ["color"]}], "initial": "lru"}}, "candidates[0].features"),
         ({"tuner": {"candidates": [{"family": "weibull"}], "initial": "lru"}}, "candidates[0].family"),
