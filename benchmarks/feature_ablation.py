@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_wa.cli import sample_path
-from vllm_wa.controller.config import CandidateSpec, ControllerConfig
+from vllm_wa.controller.config import ALL_REQUEST_FEATURES, CandidateSpec, ControllerConfig
 from vllm_wa.controller.features import FEATURES
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
@@ -31,7 +31,7 @@ from vllm_wa.replay.runner import ReplayConfig, SweepSetup, make_policy, prepare
 from vllm_wa.replay.trace_cache import load_trace_cached
 
 BASE = ("tag", "outcome")
-ALL_REQUEST = ("tag", "outcome", "think", "reply", "growth", "turn")
+ALL_REQUEST = ALL_REQUEST_FEATURES
 
 
 def default_sets() -> list[tuple[str, ...]]:
@@ -42,21 +42,22 @@ def default_sets() -> list[tuple[str, ...]]:
     return sets
 
 
-def candidate(features: tuple[str, ...]) -> CandidateSpec:
-    return CandidateSpec(features, "hyperexponential", "posterior", 10.0)
+def candidate(features: tuple[str, ...], stamp: str = "free") -> CandidateSpec:
+    return CandidateSpec(features, "hyperexponential", "posterior", 10.0, stamp=stamp)
 
 
 _SETUP: tuple[SweepSetup, ControllerConfig, int] | None = None
+Task = tuple[str, tuple[str, ...] | None, str]
 
 
-def _run(task: tuple[str, tuple[str, ...] | None]) -> tuple[tuple[str, tuple[str, ...] | None], dict[str, Any]]:
+def _run(task: Task) -> tuple[Task, dict[str, Any]]:
     assert _SETUP is not None
     setup, base, size = _SETUP
-    kind, features = task
+    kind, features, stamp = task
     if features is None:
         policy = make_policy(kind, setup)
     else:
-        cand = candidate(features)
+        cand = candidate(features, stamp)
         policy = OnlineWAPolicy(
             "wa-online", config=replace(base, tuner_enabled=False, initial=cand.name, candidates=(cand,))
         )
@@ -65,14 +66,19 @@ def _run(task: tuple[str, tuple[str, ...] | None]) -> tuple[tuple[str, tuple[str
 
 
 def ablation(
-    setup: SweepSetup, size: int, sets: list[tuple[str, ...]], base: ControllerConfig, jobs: int = 1
+    setup: SweepSetup,
+    size: int,
+    sets: list[tuple[str, ...]],
+    base: ControllerConfig,
+    jobs: int = 1,
+    stamps: tuple[str, ...] = ("free",),
 ) -> list[dict[str, Any]]:
-    """Hit rate of ``lru``, ``opt`` and one fixed candidate per feature set."""
+    """Hit rate of ``lru``, ``opt`` and one fixed candidate per feature set and stamp."""
     global _SETUP
-    tasks: list[tuple[str, tuple[str, ...] | None]] = [("opt", None), ("lru", None)]
-    tasks += [("wa-online", s) for s in sets]
+    tasks: list[Task] = [("opt", None, "free"), ("lru", None, "free")]
+    tasks += [("wa-online", s, st) for s in sets for st in stamps]
     _SETUP = (setup, base, size)
-    done: dict[tuple[str, tuple[str, ...] | None], dict[str, Any]] = {}
+    done: dict[Task, dict[str, Any]] = {}
     try:
         if jobs <= 1:
             for task in tasks:
@@ -83,15 +89,17 @@ def ablation(
                     done[task] = out
     finally:
         _SETUP = None
-    lru, opt = done[("lru", None)]["token_hit_rate"], done[("opt", None)]["token_hit_rate"]
+    lru, opt = done[("lru", None, "free")]["token_hit_rate"], done[("opt", None, "free")]["token_hit_rate"]
     rows = []
     for task in tasks:
-        kind, features = task
+        kind, features, stamp = task
         hit = done[task]["token_hit_rate"]
+        label = kind if features is None else "+".join(features) or "none"
         rows.append(
             {
-                "policy": kind if features is None else "+".join(features),
-                "features": list(features) if features else None,
+                "policy": label + ("@lookup" if stamp == "lookup" else ""),
+                "features": list(features) if features is not None else None,
+                "stamp": stamp,
                 "token_hit_rate": hit,
                 "gap_closed": (hit - lru) / (opt - lru) if opt > lru else None,
                 "wall_s": done[task]["wall_s"],
@@ -116,20 +124,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", nargs="?", default=sample_path("agentic-coding-sample.tar.xz"))
     ap.add_argument("--size", default="11%", help="cache size (blocks or %% of the evaluation window's unique blocks)")
     ap.add_argument("--conversations", type=int, help="agentic traces: a seeded sample of conversations")
-    ap.add_argument("--sets", help="comma-separated feature sets joined by '+' (default: the ablation rows)")
+    ap.add_argument(
+        "--sets", help="comma-separated feature sets joined by '+', 'none' for one class (default: the ablation rows)"
+    )
+    ap.add_argument(
+        "--stamps", default="free",
+        help="comma-separated idle-time origins to run each set with: free (the release), lookup (the request's start)",
+    )
     ap.add_argument("--controller-config", help="controller knobs (the candidate list is replaced)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
-    sets = default_sets() if not args.sets else [tuple(s.split("+")) for s in args.sets.split(",")]
+    sets = default_sets() if not args.sets else [() if s == "none" else tuple(s.split("+")) for s in args.sets.split(",")]
+    stamps = tuple(args.stamps.split(","))
     base = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
     for s in sets:
-        ControllerConfig(candidates=(candidate(s),))  # unknown features fail here, before the trace loads
+        for st in stamps:  # unknown features or stamps fail here, before the trace loads
+            ControllerConfig(candidates=(candidate(s, st),))
     t0 = time.perf_counter()
     trace = load_trace_cached(args.trace, agentic=AgenticOptions(max_conversations=args.conversations))
     setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())
     (size,) = resolve_sizes(args.size, setup.trace, setup.eval_start)
-    rows = ablation(setup, size, sets, base, jobs=args.jobs)
+    rows = ablation(setup, size, sets, base, jobs=args.jobs, stamps=stamps)
     print(format_table(trace.name, size, rows))
     print(f"took {time.perf_counter() - t0:.0f} s")
     if args.json:

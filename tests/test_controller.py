@@ -327,6 +327,7 @@ def test_default_config_file_matches_defaults():
         ({"tuner": {"candidates": [{"family": "weibull"}], "initial": "lru"}}, "candidates[0].family"),
         ({"tuner": {"candidates": [{"horizon": 0}], "initial": "lru"}}, "candidates[0].horizon"),
         ({"tuner": {"candidates": [{"speed": 1}], "initial": "lru"}}, "candidates[0].speed"),
+        ({"tuner": {"candidates": [{"stamp": "arrival"}], "initial": "lru"}}, "candidates[0].stamp"),
         ({"tuner": {"initial": "nope"}}, "initial"),
         ({"extra": {}}, "extra"),
     ],
@@ -350,6 +351,11 @@ def test_candidate_names_and_lru_always_present():
     cfg = ControllerConfig(candidates=(CandidateSpec(("outcome",), "exponential", "pr", 5.0),), initial="lru")
     names = [c.name for c in cfg.all_candidates]
     assert names == ["lru", "outcome/exp/pr/L5"]
+    # The idle-time origin is part of a candidate's name (two stamps of one key are two candidates).
+    both = ControllerConfig(
+        candidates=(CandidateSpec(("tag",)), CandidateSpec(("tag",), stamp="lookup")), initial="lru"
+    )
+    assert [c.name for c in both.all_candidates] == ["lru", "tag/hyper/posterior/L10", "tag/hyper/posterior/L10/lookup"]
 
 
 def test_feature_key_names_and_buckets():

@@ -310,6 +310,31 @@ def test_wa_params_change_eviction_order_in_the_pool(clock):
     assert run_prefill(m, make_request("tool2", tokens(0, 3, 0) + [2], tag="tool")) == 3 * BS
 
 
+@pytest.mark.parametrize("stamp, kept", [("free", "long"), ("lookup", "short")])
+def test_lookup_stamp_ranks_a_release_by_when_its_request_started(clock, stamp, kept):
+    m = make_manager(13)
+    h = install_wa_queue(m.block_pool, WAParams(stamp=stamp), clock=clock)
+    prompts = {"long": tokens(0, 3, 0) + [1], "short": tokens(1000, 3, 0) + [1]}
+    long_req = make_request("long", prompts["long"])
+    run_prefill(m, long_req)  # starts at 0
+    clock.advance(5)
+    short_req = make_request("short", prompts["short"])
+    run_prefill(m, short_req)  # starts at 5
+    clock.advance(1)
+    finish(m, short_req)  # released at 6
+    clock.advance(4)
+    finish(m, long_req)  # released at 10
+    h.queue.check_invariants()
+    clock.advance(1)
+    # A 9-block prompt takes the 6 blocks without a hash and evicts 3 cached
+    # ones: LRU the short request's (released first), the lookup stamp the
+    # long request's (started first).
+    new = make_request("new", tokens(5000, 8, 0) + [1])
+    run_prefill(m, new)
+    finish(m, new)
+    assert run_prefill(m, make_request("again", prompts[kept])) == 3 * BS
+
+
 def test_set_params_rejects_bad_values_and_keeps_old(clock):
     m = make_manager(8)
     h = install_wa_queue(m.block_pool, clock=clock)

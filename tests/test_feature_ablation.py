@@ -51,3 +51,16 @@ def test_rows_on_the_mooncake_sample(bench):
         assert r["token_hit_rate"] <= by["opt"]["token_hit_rate"] + 1e-12
     table = bench.format_table(trace.name, size, rows)
     assert "think" in table and "gap %" in table
+
+
+def test_stamps_label_rows_and_one_release_stamped_class_is_lru(bench):
+    trace = load_trace(sample_path("mooncake-conversation-sample.jsonl.xz")).head(600)
+    setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())
+    (size,) = resolve_sizes("10%", setup.trace, setup.eval_start)
+    rows = bench.ablation(setup, size, [()], ControllerConfig(refit_interval_s=20.0), stamps=("free", "lookup"))
+    by = {r["policy"]: r for r in rows}
+    assert list(by) == ["opt", "lru", "none", "none@lookup"]
+    assert [r["stamp"] for r in rows[2:]] == ["free", "lookup"]
+    # One class stamped at the release orders blocks exactly as LRU does.
+    assert by["none"]["token_hit_rate"] == pytest.approx(by["lru"]["token_hit_rate"], abs=1e-12)
+    assert 0.0 < by["none@lookup"]["token_hit_rate"] <= by["opt"]["token_hit_rate"]

@@ -322,6 +322,52 @@ def test_refile_moves_blocks_and_keeps_stamp_order():
     assert q.counters.reclassified == 2
 
 
+def _lookup_stamped_queue(n: int) -> tuple[WorkloadAwareFreeQueue, SettableClock, list[KVCacheBlock]]:
+    clock = SettableClock()
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    q = WorkloadAwareFreeQueue(blocks, WAParams(stamp="lookup"), clock=clock)
+    got = q.popleft_n(n)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+    return q, clock, got
+
+
+def test_lookup_stamps_order_releases_by_when_their_requests_started():
+    q, clock, got = _lookup_stamped_queue(6)
+    clock.t = 100.0
+    # Released in this order, by requests that started at 5, 1, 3 (two blocks each).
+    for start, pair in zip((5.0, 1.0, 3.0), (got[0:2], got[2:4], got[4:6])):
+        for b in pair:
+            q.lookup_time[b.block_id] = start
+        q.append_n(pair)
+        clock.advance(1.0)
+    q.check_invariants()
+    assert ids(q.get_all_free_blocks()) == ids(got[2:4] + got[4:6] + got[0:2])
+    assert [q.stamp[b.block_id] for b in q.get_all_free_blocks()] == [1.0, 1.0, 3.0, 3.0, 5.0, 5.0]
+    # Back to release stamps: the next release goes last, stamped now.
+    q.set_params(WAParams())
+    late = q.popleft_n(2)
+    q.append_n(late)
+    q.check_invariants()
+    assert ids(q.get_all_free_blocks())[-2:] == ids(late)
+
+
+def test_lookup_stamped_release_scans_a_bounded_stretch(monkeypatch):
+    from vllm_wa.engine_patch import free_queue
+
+    monkeypatch.setattr(free_queue, "MAX_INSERT_SCAN", 2)
+    q, clock, got = _lookup_stamped_queue(5)
+    clock.t = 50.0
+    for i, b in enumerate(got[:4]):
+        q.lookup_time[b.block_id] = float(i + 1)
+        q.append_n([b])
+    q.lookup_time[got[4].block_id] = 0.0  # older than all four, but only two are scanned
+    q.append_n([got[4]])
+    q.check_invariants()
+    assert ids(q.get_all_free_blocks()) == ids([got[0], got[1], got[4], got[2], got[3]])
+    assert q.stamp[got[4].block_id] == 2.0
+
+
 def test_iter_blocks_after_follows_eviction_order():
     clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(6)]

@@ -24,6 +24,18 @@ def test_pr_json_round_trip():
     assert again.models == params.models and again.default == params.default
 
 
+def test_stamp_round_trips_and_is_validated():
+    params = WAParams(models={"tool": ReuseModel.exponential(0.9, 0.1)}, stamp="lookup")
+    assert WAParams.from_pr_json(params.to_pr_json()).stamp == "lookup"
+    # The PR's own format (no stamp key) reads as release-stamped, and is written without the key.
+    assert WAParams.from_pr_json({"a": {"x": 0.1}, "p": {"x": 0.5}}).stamp == "free"
+    assert "stamp" not in WAParams().to_pr_json()
+    with pytest.raises(ParamsError, match="stamp"):
+        WAParams(stamp="arrival")
+    with pytest.raises(ParamsError, match="stamp"):
+        WAParams.from_pr_json({"a": {}, "p": {}, "stamp": 3})
+
+
 def test_mixture_round_trip_and_effective_rate():
     m = ReuseModel((0.3, 0.5), (1.0, 0.01))
     params = WAParams(models={"tool": m}, horizon=30.0, mode="posterior", version=7)

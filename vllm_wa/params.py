@@ -36,8 +36,11 @@ from vllm_wa.validation import check_number
 from vllm_wa.workload_classes import MAX_CLASS_NAME_LENGTH, is_valid_class_name
 
 SCORE_MODES = ("pr", "posterior", "density")
+# What a free block's idle time counts from: its release ("free", vLLM's
+# LRU) or the prefix lookup of the request that released it ("lookup").
+STAMPS = ("free", "lookup")
 # Keys of the PR JSON format, with this project's extensions (see to_pr_json).
-_PR_JSON_KEYS = frozenset({"a", "p", "L", "mode", "mixture", "default", "version"})
+_PR_JSON_KEYS = frozenset({"a", "p", "L", "mode", "mixture", "default", "version", "stamp"})
 DEFAULT_HORIZON_S = 5.0
 _NEG_INF = float("-inf")
 # Upper bound of the idle-time search when inverting a score (about 30 years).
@@ -207,7 +210,7 @@ class WAParams:
 
     ``models`` maps a class name to its reuse model; classes without an entry
     use ``default``.  When every class resolves to the same model the queue
-    orders exactly like LRU.
+    orders by stamp alone: exactly like LRU when ``stamp`` is "free".
     """
 
     models: Mapping[str, ReuseModel] = field(default_factory=dict)
@@ -216,6 +219,7 @@ class WAParams:
     mode: str = "pr"
     version: int = 0
     source: str = "prior"
+    stamp: str = "free"
     # Scorers by class name, built once by :meth:`compile` (or on first use).
     _scorers: dict[str, ClassScorer] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -234,6 +238,8 @@ class WAParams:
             raise ParamsError(f"L (horizon) must be positive, got {self.horizon}")
         if self.mode not in SCORE_MODES:
             raise ParamsError(f"mode must be one of {SCORE_MODES}, got {self.mode!r}")
+        if self.stamp not in STAMPS:
+            raise ParamsError(f"stamp must be one of {STAMPS}, got {self.stamp!r}")
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ParamsError(f"version must be a non-negative integer, got {self.version!r}")
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
@@ -279,7 +285,7 @@ class WAParams:
         """Read the PR #22236 format ``{"a": {cls: rate}, "p": {cls: prob}}``.
 
         Optional keys written by :meth:`to_pr_json`: ``L``, ``mode``,
-        ``mixture`` (``{cls: [[w, a], ...]}``) and ``default``.
+        ``mixture`` (``{cls: [[w, a], ...]}``), ``default`` and ``stamp``.
         """
         if isinstance(data, str):
             try:
@@ -328,6 +334,8 @@ class WAParams:
             kwargs["mode"] = data["mode"]
         if "version" in data:
             kwargs["version"] = data["version"]
+        if "stamp" in data:
+            kwargs["stamp"] = data["stamp"]
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -353,6 +361,8 @@ class WAParams:
             "version": self.version,
             "default": self.default.to_json(),
         }
+        if self.stamp != "free":
+            out["stamp"] = self.stamp
         mixtures = {c: m.to_json() for c, m in self.models.items() if len(m.weights) > 1}
         if mixtures:
             out["mixture"] = mixtures

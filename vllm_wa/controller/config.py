@@ -13,7 +13,7 @@ from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES
 from vllm_wa.controller.learned_key import MAX_LEARNED_CLASSES
 from vllm_wa.controller.tuner import TunerSettings
 from vllm_wa.fileio import TOMLDecodeError, read_toml
-from vllm_wa.params import SCORE_MODES
+from vllm_wa.params import SCORE_MODES, STAMPS
 from vllm_wa.validation import check_number
 from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES
 
@@ -42,6 +42,10 @@ class CandidateSpec:
     # ``split_s`` seconds.
     classes: int = 0
     split_s: float = 60.0
+    # What a free block's idle time counts from: "free" (its release, as
+    # vLLM's LRU) or "lookup" (the start of its last use: the releasing
+    # request's prefix lookup; see WorkloadAwareFreeQueue.stamp_at_lookup).
+    stamp: str = "free"
 
     @property
     def name(self) -> str:
@@ -50,10 +54,15 @@ class CandidateSpec:
         feats = "+".join(self.features) or "none"
         fam = "exp" if self.family == "exponential" else "hyper"
         learned = f"/K{self.classes}" if self.classes else ""
-        return f"{feats}/{fam}/{self.mode}/L{self.horizon:g}{learned}"
+        stamp = "/lookup" if self.stamp == "lookup" else ""
+        return f"{feats}/{fam}/{self.mode}/L{self.horizon:g}{learned}{stamp}"
 
 
 LRU_CANDIDATE = CandidateSpec(lru=True)
+
+
+# Every feature known per request (no per-block ones): the widest default key.
+ALL_REQUEST_FEATURES = ("tag", "outcome", "think", "reply", "growth", "turn")
 
 
 def _default_candidates() -> tuple[CandidateSpec, ...]:
@@ -68,6 +77,12 @@ def _default_candidates() -> tuple[CandidateSpec, ...]:
         # turn that freed the block (a tool result returns in seconds, a person
         # in minutes); see engine_patch/conversations.py.
         CandidateSpec(("tag", "outcome", "think"), "hyperexponential", "posterior", 10.0),
+        # Idle time from the start of the block's last use (its request's
+        # lookup), not its release: a request that ran long ranks by when it
+        # started (measured on the agentic split at 5 % and 11 %: ahead of the
+        # release-stamped keys and of SGLang's FIFO; README, "Stamps").
+        CandidateSpec(("tag", "outcome", "think"), "hyperexponential", "posterior", 10.0, stamp="lookup"),
+        CandidateSpec(ALL_REQUEST_FEATURES, "hyperexponential", "posterior", 10.0, stamp="lookup"),
     )
 
 
@@ -144,6 +159,10 @@ class ControllerConfig:
             check_number(f"{where}.horizon", c.horizon, gt=0, error=ConfigError)
             check_number(f"{where}.classes", c.classes, ge=0, le=MAX_LEARNED_CLASSES, integer=True, error=ConfigError)
             check_number(f"{where}.split_s", c.split_s, gt=0, error=ConfigError)
+            if c.stamp not in STAMPS:
+                raise ConfigError(f"{where}.stamp must be one of {STAMPS}, got {c.stamp!r}")
+            if c.lru and c.stamp != "free":
+                raise ConfigError(f"{where}: the LRU candidate stamps at the release (stamp = \"free\")")
             per_block = [f for f in c.features if f in BLOCK_FEATURES]
             if c.classes and per_block:
                 raise ConfigError(f"{where}: a learned key (classes > 0) takes request features only, not {per_block}")

@@ -52,7 +52,10 @@ from vllm_wa.params import ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
-MAX_FINE_CLASSES = 1024
+# Finest classes (one estimator each, about 4 KiB): the default candidates'
+# union of features (tag x outcome x reuse x think x reply x growth x turn)
+# has up to 1,600 per tag and outcome; past the cap new ones share "other".
+MAX_FINE_CLASSES = 4096
 
 
 @dataclass
@@ -365,12 +368,13 @@ class WAController:
             if m is not None and (default is None or separates(m, default, d, threshold)):
                 models[name] = m
         if not models:
-            return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, source="prior")
+            return self.prior.evolve(horizon=spec.horizon, mode=spec.mode, stamp=spec.stamp, source="prior")
         return WAParams(
             models=models,
             default=default or self.prior.default,
             horizon=spec.horizon,
             mode=spec.mode,
+            stamp=spec.stamp,
             source=f"online:{spec.name}",
         )
 
@@ -512,6 +516,7 @@ class WAController:
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
             "events_dropped": self.sink.dropped,
+            "finest_classes": len(self._fine),
             "watched_blocks": len(self.tracker.watch),
             "ghost_blocks": len(self.tracker.ghost),
             "sample_rate": self.sink.sample_rate,

@@ -92,7 +92,8 @@ class _FreedRequest:
 class _Lookup:
     """A looked-up request until it frees its blocks."""
 
-    timing: TurnTiming
+    at: float  # when its prompt was looked up
+    timing: TurnTiming | None  # None without a conversation tracker
     tips: tuple  # its prompt's last full block hashes
     prompt_blocks: int
 
@@ -147,7 +148,7 @@ class BlockTagger:
         self._flagged_hash: list[Any] = [None] * n
         self._owner = [0] * n
         self._serial = 0
-        self._looked_up: dict[str, _Lookup | None] = {}
+        self._looked_up: dict[str, _Lookup] = {}
         self.conversations = conversations
         # Freed requests by the key late facts arrive under (see request_key);
         # several engine requests (n > 1) can share one key.
@@ -230,9 +231,9 @@ class BlockTagger:
         timing = None
         if convs is not None:
             timing = convs.lookup(block_hashes, len(hit_blocks), now)
-            self._looked_up[rid] = _Lookup(timing, tuple(block_hashes[-2:]), len(block_hashes))
+            self._looked_up[rid] = _Lookup(now, timing, tuple(block_hashes[-2:]), len(block_hashes))
         else:
-            self._looked_up[rid] = None
+            self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))
         self.count_reuse(hit_blocks)
         self._record_free_hits(hit_blocks)
         # Hit accounting is per workload tag (the outcome is not known yet).
@@ -304,6 +305,11 @@ class BlockTagger:
                 counts[bid] = 0
             counts[bid] += 1
 
+    def started_at(self, request_id: str) -> float | None:
+        """When a request that holds blocks was looked up (None: not known)."""
+        look = self._looked_up.get(request_id)
+        return look.at if look is not None else None
+
     def on_free(
         self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None, *, finished: bool = True
     ) -> None:
@@ -325,9 +331,9 @@ class BlockTagger:
             # stop or length (such replies end with a plain stop).
             req = replace(req, outcome=pending)
             self.reclassified_requests += 1
-        if look is not None and req.timing is None:
+        if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
-        self.file_blocks(req, blocks, now)
+        self.file_blocks(req, blocks, now, started=look.at if look is not None else None)
         self._serial += 1
         serial = self._serial
         owner = self._owner
@@ -342,19 +348,38 @@ class BlockTagger:
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
-        if look is not None and self.conversations is not None and finished:
+        if look is not None and look.timing is not None and self.conversations is not None and finished:
             self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
-    def file_blocks(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None) -> None:
-        """Write the class (and sampling flag) each block is freed into."""
+    def file_blocks(
+        self,
+        req: RequestTags,
+        blocks: Sequence[KVCacheBlock],
+        now: float | None = None,
+        started: float | None = None,
+    ) -> None:
+        """Write the class (and sampling flag) each block is freed into.
+
+        ``started``: when the releasing request was looked up (default:
+        ``now``); a queue that stamps at the lookup stamps each block with
+        the latest such start of the requests that held it.
+        """
         queue = self.queue
         cls_of = queue.block_class
         sink = self.sink
         want_flags = sink is not None and not sink.samples_all
         key = self.class_key
         now = queue.clock() if now is None else now
+        if queue.stamp_at_lookup:
+            # The latest start among the block's users: a prefix that a
+            # later request shared is as recent as that request's lookup,
+            # whichever of them releases it last.
+            at = now if started is None else started
+            lookup_time = queue.lookup_time
+            for b in blocks:
+                lookup_time[b.block_id] = max(lookup_time[b.block_id], at)
         self.retire_idle(now)
         claim = queue.registry.claim
         counts, counted = self.reuse_count, self._counted_hash

@@ -31,6 +31,9 @@ from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
 Clock = Callable[[], float]
 _INF = math.inf
+# Blocks a lookup-stamped release scans past to find its place (see
+# WorkloadAwareFreeQueue._insert_by_lookup).
+MAX_INSERT_SCAN = 4096
 
 
 @dataclass
@@ -123,6 +126,13 @@ class WorkloadAwareFreeQueue:
         # break in insertion (LRU) order; blocks of one run share a stamp and
         # keep their list order.
         self.stamp: list[float] = [0.0] * n_ids
+        # Stamp by the start of the block's last use instead of its release
+        # (``stamp_at_lookup``): the tagger writes, before each release, when
+        # the releasing request's prompt was looked up.  A request that ran
+        # long (a long prefill, a long reply) then ranks by when it started,
+        # as SGLang's FIFO and LRU do with their creation and match times.
+        self.stamp_at_lookup = False  # set from the parameters' ``stamp``
+        self.lookup_time: list[float] = [0.0] * n_ids
         # Per-block "events wanted" flag (hash-sampled), set by the tagger.
         self.sampled = bytearray(n_ids)
         self._last_stamp = -_INF
@@ -163,6 +173,9 @@ class WorkloadAwareFreeQueue:
     def _compile(self, params: WAParams) -> _ActiveParams:
         if not isinstance(params, WAParams):
             raise ParamsError(f"expected WAParams, got {type(params).__name__}")
+        # Blocks already free keep their stamps; releases from now on are
+        # stamped as the new parameters say.
+        self.stamp_at_lookup = params.stamp == "lookup"
         return _ActiveParams(params, self.registry, params.is_uniform)
 
     @property
@@ -206,6 +219,9 @@ class WorkloadAwareFreeQueue:
         """
         if not blocks:
             return
+        if self.stamp_at_lookup:
+            self._insert_by_lookup(blocks)
+            return
         stamp_of = self.stamp
         cls_of = self.block_class
         tails = self._tails
@@ -243,6 +259,56 @@ class WorkloadAwareFreeQueue:
         tail.prev_free_block = last
         freed[cur] += run
         self._last_stamp = t
+        self.num_free_blocks += len(blocks)
+
+    def _insert_by_lookup(self, blocks: list[KVCacheBlock]) -> None:
+        """Free blocks stamped with their lookup time, each where that stamp sorts.
+
+        The place is found by scanning the class list back from its tail
+        past blocks stamped later (released by requests that started later
+        but finished first); past ``MAX_INSERT_SCAN`` of them the block goes
+        there with the stamp of its predecessor, so lists stay in stamp
+        order and a release never costs more than that scan per run.
+        Blocks of one run (one request, one class) follow each other.
+        """
+        stamp_of, cls_of, start_of = self.stamp, self.block_class, self.lookup_time
+        heads, tails = self._heads, self._tails
+        freed = self.counters.freed
+        now = self.clock()
+        prev_b: KVCacheBlock | None = None
+        prev_c, prev_s = -1, _INF
+        for b in blocks:
+            bid = b.block_id
+            c = cls_of[bid]
+            raw = min(start_of[bid], now)
+            if c == prev_c and raw == prev_s and prev_b is not None:
+                prev, after = prev_b, prev_b.next_free_block
+                s = stamp_of[prev_b.block_id]
+            else:
+                s = raw
+                head = heads[c]
+                after = tails[c]
+                prev = after.prev_free_block
+                if prev is head:
+                    self._went_live(c)
+                scan = 0
+                while prev is not head and stamp_of[prev.block_id] > s:
+                    if scan == MAX_INSERT_SCAN:
+                        s = stamp_of[prev.block_id]
+                        break
+                    after = prev
+                    prev = prev.prev_free_block
+                    scan += 1
+                if prev is head:
+                    self._sel_dirty = True  # a new head: the cached selection is stale
+                prev_c, prev_s = c, raw
+            b.prev_free_block = prev
+            b.next_free_block = after
+            prev.next_free_block = b
+            after.prev_free_block = b
+            stamp_of[bid] = s
+            freed[c] += 1
+            prev_b = b
         self.num_free_blocks += len(blocks)
 
     def _went_live(self, c: int) -> None:

@@ -86,4 +86,5 @@ class OnlineWAPolicy(ReplayPolicy):
             "errors": st["errors"],
             "events_dropped": st["events_dropped"],
             "drift_events": len(st["drift_events"]),
+            "finest_classes": st["finest_classes"],
         }
