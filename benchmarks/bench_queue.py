@@ -43,7 +43,7 @@ from vllm_wa.workload_classes import ClassRegistry
 
 NUM_CLASSES = 8
 RUN = 32  # blocks per request
-REQUEST_KINDS = ("vllm", "wa", "wa+timing")
+REQUEST_KINDS = ("vllm", "wa", "wa+timing", "wa+timing+lookup")
 TIMING = ("think", "reply", "growth", "turn")  # request features the engine derives from the prefix chain
 
 
@@ -177,9 +177,11 @@ def run_requests(kind: str, n: int, seed: int, requests: int = 3000) -> dict[str
     ``vllm``: vLLM's queue; ``wa``: the WA queue and tagger with the
     ``tag+outcome`` class key; ``wa+timing``: the same with the conversation
     tracker and every timing feature in the key (think, reply, growth,
-    turn), what a timing candidate costs the engine thread.  (The block
-    features, depth and reuse, are not timing features: they classify each
-    block on its own, a cost per block.)
+    turn), what a timing candidate costs the engine thread;
+    ``wa+timing+lookup``: that candidate stamped at the lookup (each release
+    inserted where its request's start sorts).  (The block features, depth
+    and reuse, are not timing features: they classify each block on its
+    own, a cost per block.)
     """
     init_none_hash(sha256)
     manager = model_free_kv_cache_manager(n, 16, 16 * 1024)
@@ -187,9 +189,12 @@ def run_requests(kind: str, n: int, seed: int, requests: int = 3000) -> dict[str
     if kind != "vllm":
         reg = ClassRegistry()
         features = ("tag", "outcome") if kind == "wa" else ("tag", "outcome", *TIMING)
+        params = wa_params(reg)
+        if kind == "wa+timing+lookup":
+            params = params.evolve(stamp="lookup")
         install_wa_queue(
-            manager.block_pool, wa_params(reg), clock=clock, registry=reg, class_key=FeatureKey(features),
-            conversations=ConversationTracker() if kind == "wa+timing" else None,
+            manager.block_pool, params, clock=clock, registry=reg, class_key=FeatureKey(features),
+            conversations=ConversationTracker() if kind != "wa" else None,
         )
     rng = random.Random(seed)
     hasher = get_request_block_hasher(16, sha256)
@@ -261,13 +266,15 @@ def main() -> None:
         for r in range(args.rounds):
             for kind in REQUEST_KINDS:
                 per_request[kind] = min(per_request[kind], run_requests(kind, n, seed=r)["request"])
-        base, wa, timed = (per_request[k] for k in REQUEST_KINDS)
+        base, wa, timed, stamped = (per_request[k] for k in REQUEST_KINDS)
         rows.append({"blocks": n, "op": "request (wa)", "vllm_ns": base, "wa_ns": wa, "ratio": wa / base})
         rows.append({"blocks": n, "op": "request (wa+timing)", "vllm_ns": base, "wa_ns": timed, "ratio": timed / base})
         rows.append({"blocks": n, "op": "request timing/wa", "vllm_ns": wa, "wa_ns": timed, "ratio": timed / wa})
+        rows.append({"blocks": n, "op": "request lookup/timing", "vllm_ns": timed, "wa_ns": stamped, "ratio": stamped / timed})
     print(f"WA queue ({NUM_CLASSES} classes, PR scores) vs vLLM FreeKVCacheBlockQueue, ns per block, best of {args.rounds}")
     print("(queue operations alone, then the same work through vLLM's BlockPool: pool.*; then ns per whole")
-    print(" request through vLLM's KVCacheManager with the engine hooks; 'timing/wa': the timing features' cost)")
+    print(" request through vLLM's KVCacheManager with the engine hooks; 'timing/wa': the timing features' cost;")
+    print(" 'lookup/timing': the lookup stamp's)")
     print(f"{'blocks':>9} {'operation':<20} {'vLLM':>8} {'WA':>8} {'WA/vLLM':>8}")
     for row in rows:
         print(f"{row['blocks']:>9} {row['op']:<20} {row['vllm_ns']:>8.0f} {row['wa_ns']:>8.0f} {row['ratio']:>8.2f}")
