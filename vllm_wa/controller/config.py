@@ -80,7 +80,7 @@ def _default_candidates() -> tuple[CandidateSpec, ...]:
         # Idle time from the start of the block's last use (its request's
         # lookup), not its release: a request that ran long ranks by when it
         # started (measured on the agentic split at 5 % and 11 %: ahead of the
-        # release-stamped keys and of SGLang's FIFO; README, "Stamps").
+        # release-stamped keys and of SGLang's FIFO; README, "When idle time starts").
         CandidateSpec(("tag", "outcome", "think"), "hyperexponential", "posterior", 10.0, stamp="lookup"),
         CandidateSpec(ALL_REQUEST_FEATURES, "hyperexponential", "posterior", 10.0, stamp="lookup"),
     )
