@@ -43,6 +43,7 @@ class _ActiveParams:
     params: WAParams
     registry: ClassRegistry
     uniform: bool
+    lookup_stamped: bool  # releases are stamped at their request's lookup
     _scorers: dict[int, ClassScorer] = field(default_factory=dict)
 
     def scorer(self, cid: int) -> ClassScorer:
@@ -131,7 +132,6 @@ class WorkloadAwareFreeQueue:
         # the releasing request's prompt was looked up.  A request that ran
         # long (a long prefill, a long reply) then ranks by when it started,
         # as SGLang's FIFO and LRU do with their creation and match times.
-        self.stamp_at_lookup = False  # set from the parameters' ``stamp``
         self.lookup_time: list[float] = [0.0] * n_ids
         # Per-block "events wanted" flag (hash-sampled), set by the tagger.
         self.sampled = bytearray(n_ids)
@@ -173,14 +173,19 @@ class WorkloadAwareFreeQueue:
     def _compile(self, params: WAParams) -> _ActiveParams:
         if not isinstance(params, WAParams):
             raise ParamsError(f"expected WAParams, got {type(params).__name__}")
-        # Blocks already free keep their stamps; releases from now on are
-        # stamped as the new parameters say.
-        self.stamp_at_lookup = params.stamp == "lookup"
-        return _ActiveParams(params, self.registry, params.is_uniform)
+        return _ActiveParams(params, self.registry, params.is_uniform, params.stamp == "lookup")
 
     @property
     def params(self) -> WAParams:
         return self._active.params
+
+    @property
+    def stamp_at_lookup(self) -> bool:
+        """Whether releases are stamped at their request's lookup (the
+        parameters' ``stamp``).  Blocks already free keep their stamps when
+        parameters are swapped; releases from then on are stamped as the new
+        ones say."""
+        return self._active.lookup_stamped
 
     def set_params(self, params: WAParams) -> None:
         """Swap parameters; safe from any thread, between or during calls.
@@ -272,7 +277,7 @@ class WorkloadAwareFreeQueue:
         Blocks of one run (one request, one class) follow each other.
         """
         stamp_of, cls_of, start_of = self.stamp, self.block_class, self.lookup_time
-        heads, tails = self._heads, self._tails
+        heads = self._heads
         freed = self.counters.freed
         now = self.clock()
         prev_b: KVCacheBlock | None = None
@@ -285,21 +290,8 @@ class WorkloadAwareFreeQueue:
                 prev, after = prev_b, prev_b.next_free_block
                 s = stamp_of[prev_b.block_id]
             else:
-                s = raw
-                head = heads[c]
-                after = tails[c]
-                prev = after.prev_free_block
-                if prev is head:
-                    self._went_live(c)
-                scan = 0
-                while prev is not head and stamp_of[prev.block_id] > s:
-                    if scan == MAX_INSERT_SCAN:
-                        s = stamp_of[prev.block_id]
-                        break
-                    after = prev
-                    prev = prev.prev_free_block
-                    scan += 1
-                if prev is head:
+                prev, after, s = self._insertion_point(c, raw, MAX_INSERT_SCAN)
+                if prev is heads[c]:
                     self._sel_dirty = True  # a new head: the cached selection is stale
                 prev_c, prev_s = c, raw
             b.prev_free_block = prev
@@ -310,6 +302,30 @@ class WorkloadAwareFreeQueue:
             freed[c] += 1
             prev_b = b
         self.num_free_blocks += len(blocks)
+
+    def _insertion_point(
+        self, c: int, s: float, max_scan: int | None = None
+    ) -> tuple[KVCacheBlock, KVCacheBlock, float]:
+        """Where a block stamped ``s`` goes in list ``c``: ``(prev, after, stamp)``.
+
+        Found by scanning back from the list's tail past blocks stamped
+        later.  Past ``max_scan`` of them (None: no limit) the scan stops and
+        the block takes its predecessor's stamp, so the list stays in order.
+        """
+        stamp_of = self.stamp
+        head = self._heads[c]
+        after = self._tails[c]
+        prev = after.prev_free_block
+        if prev is head:
+            self._went_live(c)
+        scan = 0
+        while prev is not head and stamp_of[prev.block_id] > s:
+            if scan == max_scan:
+                return prev, after, stamp_of[prev.block_id]
+            after = prev
+            prev = prev.prev_free_block
+            scan += 1
+        return prev, after, s
 
     def _went_live(self, c: int) -> None:
         """List ``c`` was empty and gets a head: the cached selection is stale."""
@@ -513,7 +529,6 @@ class WorkloadAwareFreeQueue:
         stamp_of = self.stamp
         cls_of = self.block_class
         counters = self.counters
-        head = self._heads[new_class]
         for b in blocks:
             if b.next_free_block is None or b._block_hash is None:
                 continue
@@ -523,14 +538,7 @@ class WorkloadAwareFreeQueue:
                 continue
             b.prev_free_block.next_free_block = b.next_free_block
             b.next_free_block.prev_free_block = b.prev_free_block
-            s = stamp_of[bid]
-            after = self._tails[new_class]
-            prev = after.prev_free_block
-            if prev is head:
-                self._went_live(new_class)
-            while prev is not head and stamp_of[prev.block_id] > s:
-                after = prev
-                prev = prev.prev_free_block
+            prev, after, _ = self._insertion_point(new_class, stamp_of[bid])
             b.prev_free_block = prev
             b.next_free_block = after
             prev.next_free_block = b
