@@ -280,7 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--no-fidelity", action="store_true", help="skip the replay of the served requests")
     args = ap.parse_args(argv)
-    cpu_defaults = {"block_size": 32, "max_prompt_blocks": 32, "duration": 1800.0, "time_scale": 0.05,
+    cpu_defaults = {"block_size": 32, "max_prompt_blocks": 32, "duration": 3600.0, "time_scale": 0.05,
                     "max_output_tokens": 8, "max_num_seqs": 8}
     gpu_defaults = {"block_size": 64, "max_prompt_blocks": 496, "duration": 3600.0, "time_scale": 1.0,
                     "max_output_tokens": 256, "max_num_seqs": 64}
