@@ -417,6 +417,21 @@ def test_shadow_caches_release_requests_whose_finish_was_lost():
     assert sc.cache.pool.num_free_blocks == 19
 
 
+def test_shadow_cache_files_by_final_outcome_and_keeps_no_late_fact_records():
+    from vllm_wa.controller.shadow import ShadowCache
+
+    sc = ShadowCache(CandidateSpec(("tag", "outcome")), num_blocks=20, max_classes=8,
+                     key=FeatureKey(("tag", "outcome")))
+    for i, outcome in enumerate(("tool", "stop", "tool")):
+        sc.lookup(f"r{i}", "t", [("h", i, j) for j in range(3)], float(i))
+        sc.finish(f"r{i}", RequestTags(f"r{i}", "t", outcome), float(i) + 0.5)
+    assert sc.queue.free_blocks_by_class() == {"t.o:stop": 3, "t.o:tool": 6}
+    # It is told each final outcome at the release: no record for a late fact is kept.
+    assert len(sc.tagger._finished) == 0
+    assert sc.tagger.reclassify("r0", "stop") == 0
+    assert len(sc.tagger._pending_outcome) == 0
+
+
 def test_estimator_is_river_style_validates_and_its_example_runs():
     import doctest
 

@@ -55,7 +55,9 @@ class ShadowCache:
             self.queue = FreeKVCacheBlockQueue(blocks)
         else:
             self.queue = WorkloadAwareFreeQueue(blocks, None, clock=self.clock, registry=self.registry)
-            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key)
+            # No late facts reach a miniature cache (it is told each request's
+            # final outcome at its release): nothing to remember for them.
+            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key, remember_finished=0)
         return self.queue
 
     def set_key(self, key: ClassKey) -> None:

@@ -106,7 +106,9 @@ class BlockTagger:
         blocks: all blocks of the pool, indexed by ``block_id``.
         sink: where lookup and finished events go (None: none).
         class_key: the class-key function (default: the tag alone).
-        remember_finished: how many freed requests :meth:`reclassify` can reach.
+        remember_finished: how many freed requests :meth:`reclassify` can reach
+            (0: none, for a queue that is never told late facts, such as a
+            miniature cache; its releases then skip that bookkeeping).
         conversations: the conversation tracker (None: requests get no turn
             timing, as in the miniature caches, which are told it).
         tags: the registry of workload tags for hit accounting (default: one
@@ -159,7 +161,7 @@ class BlockTagger:
         self.hit_blocks_by_tag = [0] * self.tags.max_classes
         self.queried_blocks_by_tag = [0] * self.tags.max_classes
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
-        self._remember = max(1, int(remember_finished))
+        self._remember = max(0, int(remember_finished))
         self.reclassified_requests = 0
 
     # ---- tags ----------------------------------------------------------------------
@@ -334,6 +336,15 @@ class BlockTagger:
         if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
         self.file_blocks(req, blocks, now, started=look.at if look is not None else None)
+        if self._remember:
+            self._remember_freed(key, req, blocks)
+        if look is not None and look.timing is not None and self.conversations is not None and finished:
+            self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
+        if self.sink is not None:
+            self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
+
+    def _remember_freed(self, key: str, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
+        """Keep which blocks ``req`` freed, so a late outcome can refile them."""
         self._serial += 1
         serial = self._serial
         owner = self._owner
@@ -343,15 +354,10 @@ class BlockTagger:
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
-        rec = _FreedRequest(req, serial, ids)
-        recs.append(rec)
+        recs.append(_FreedRequest(req, serial, ids))
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
-        if look is not None and look.timing is not None and self.conversations is not None and finished:
-            self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
-        if self.sink is not None:
-            self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
     def file_blocks(
         self,
