@@ -231,6 +231,26 @@ def test_refit_learns_classes_and_swaps_params():
     assert any(cand["name"] == "lru" for cand in st["candidates"])
 
 
+def test_candidates_with_one_key_and_family_share_fits_and_get_the_models_of_their_own_fits():
+    sink = EventSink(capacity=100000)
+    clock = [0.0]
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: clock[0])
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    cands = c.candidates
+    l10, l120 = cands["tag+outcome/hyper/posterior/L10"], cands["tag+outcome/hyper/posterior/L120"]
+    exp, think = cands["tag+outcome/exp/pr/L5"], cands["tag+outcome+think/hyper/posterior/L10"]
+    assert l10.fits is l120.fits and l10.fits  # the same key at two horizons: fitted once
+    assert exp.fits is not l10.fits and think.fits is not l10.fits
+    assert l10.params.models == l120.params.models and l10.params.horizon != l120.params.horizon
+    # The shared models are what each candidate's own fits give.
+    by_key = c._class_data(l10.key, c._at_risk(clock[0]))
+    for name, model in l10.params.models.items():
+        own = fit_model(by_key[name], "hyperexponential")
+        assert model.weights == pytest.approx(own.weights, rel=1e-3, abs=1e-6)
+        assert model.rates == own.rates
+
+
 def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
     sink = EventSink()
     applied = Applied()

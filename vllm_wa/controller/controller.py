@@ -161,10 +161,16 @@ class WAController:
         self._shadow_threshold = int(min(1.0, sample_rate_for(cache_blocks, config.shadow_blocks) / rate) * (1 << 64))
         self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
         self.candidates: dict[str, Candidate] = {}
+        # Candidates with the same feature key and model family (the same key
+        # at two horizons, or with two stamps) see the same class data at every
+        # fit, so they share their fits: the same models, fitted once.
+        shared_fits: dict[tuple[FeatureKey, str], dict[str, ModelFit]] = {}
+        self._default_fits = {c.family: ModelFit(c.family) for c in config.all_candidates if not c.lru}
         for spec in config.all_candidates:
             key = candidate_key(spec)
             shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes, key)
-            self.candidates[spec.name] = Candidate(spec, shadow, key)
+            fits = shared_fits.setdefault((key, spec.family), {}) if isinstance(key, FeatureKey) else {}
+            self.candidates[spec.name] = Candidate(spec, shadow, key, fits=fits)
         self._shadows = [c.shadow for c in self.candidates.values()]
         self.tuner = Tuner(list(self.candidates), config.tuner_settings, initial=config.initial)
         self.pinned: WAParams | None = None
@@ -293,10 +299,17 @@ class WAController:
             # tuner still decides, and swaps land, at every refit.
             self._last_fit = now
             at_risk = self._at_risk(now)
+            by_key: dict[FeatureKey, dict[str, SurvivalData]] = {}
+            # Every key partitions the same finest classes: one pooled default.
+            total = pooled(self.estimators, *at_risk.values())
+            defaults = {
+                family: fit.get(total) if total.n_events >= self.config.min_samples else None
+                for family, fit in self._default_fits.items()
+            }
             for cand in self.candidates.values():
                 if cand.spec.lru:
                     continue
-                cand.params = self._fit_candidate(cand, at_risk)
+                cand.params = self._fit_candidate(cand, at_risk, by_key, defaults[cand.spec.family])
                 cand.shadow.set_params(cand.params)
         if self.config.tuner_enabled:
             sw = self.tuner.decide(now)
@@ -350,15 +363,23 @@ class WAController:
             members.setdefault(key.class_of(cell), []).append(d)
         return {name: pooled((), *ds) for name, ds in members.items()}
 
-    def _fit_candidate(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> WAParams:
+    def _fit_candidate(
+        self,
+        cand: Candidate,
+        at_risk: dict[int, SurvivalData],
+        by_key: dict[FeatureKey, dict[str, SurvivalData]],
+        default: ReuseModel | None,
+    ) -> WAParams:
+        """``by_key``: this fit's class data of the feature keys already pooled;
+        ``default``: the model of all observations pooled, in the candidate's family."""
         spec, key = cand.spec, cand.key
         assert key is not None
         if isinstance(key, LearnedKey):
             classes = self._learn_key(cand, at_risk)
         else:
-            classes = self._class_data(key, at_risk)
-        total = pooled((), *classes.values())
-        default = self._model_fit(cand, "\0default").get(total) if total.n_events >= self.config.min_samples else None
+            classes = by_key.get(key)
+            if classes is None:
+                classes = by_key[key] = self._class_data(key, at_risk)
         threshold = self._separation[spec.family]
         models: dict[str, ReuseModel] = {}
         for name, d in classes.items():
