@@ -455,3 +455,19 @@ def test_request_that_does_not_fit_is_reported_finished(clock):
     m.free(big)  # what the scheduler does when a waiting request is aborted
     kinds = [(e.kind, getattr(e, "request_id", None)) for e in sink.drain()]
     assert kinds == [(EventKind.LOOKUP, "big"), (EventKind.FINISHED, "big")]
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.5, 1.0])
+def test_sink_samples_a_prompts_tail_as_it_samples_each_hash(rate: float) -> None:
+    """The lookup's one-pass sampling picks exactly the hashes ``is_sampled``
+    picks, for trace ids (ints) and vLLM digests (bytes), from any start."""
+    sink = EventSink(sample_rate=rate)
+    rng = random.Random(7)
+    ints = [rng.getrandbits(62) for _ in range(400)]
+    digests = [rng.getrandbits(256).to_bytes(32, "little") + b"\x00" for _ in range(400)]
+    for hashes in (ints, digests):
+        for start in (0, 1, 250, 400):
+            expected = [(i, h) for i, h in enumerate(hashes) if i >= start and sink.is_sampled(h)]
+            assert sink.sampled_from(hashes, start) == expected
+    picked = len(sink.sampled_from(ints, 0))
+    assert picked == 400 if rate == 1.0 else 0 < picked < 400

@@ -35,8 +35,10 @@ HYPER_SCALES = np.geomspace(1.0, 3.0e4, 10)
 
 _EDGE_LIST = GAP_EDGES.tolist()
 _HYPER_RATES = 1.0 / HYPER_SCALES
-_E_LIK = _HYPER_RATES[None, :] * np.exp(-np.outer(_MIDS, _HYPER_RATES))  # density per bin
-_C_LIK = np.exp(-np.outer(_MIDS, _HYPER_RATES))  # survival per bin
+# Likelihood of one observation per bin under each component, the never mass
+# last: a reuse's density (never: 0), a censored exposure's survival (never: 1).
+_E_LIK = np.hstack((_HYPER_RATES[None, :] * np.exp(-np.outer(_MIDS, _HYPER_RATES)), np.zeros((NUM_BINS, 1))))
+_C_LIK = np.hstack((np.exp(-np.outer(_MIDS, _HYPER_RATES)), np.ones((NUM_BINS, 1))))
 
 
 def gap_bin(gap: float) -> int:
@@ -146,21 +148,16 @@ def fit_hyperexponential(
         return None, None
     k = len(_HYPER_RATES)
     re, rc = np.flatnonzero(ev), np.flatnonzero(ce)
-    E, C = _E_LIK[re], _C_LIK[rc]
-    ev_r, ce_r = ev[re], ce[rc]
+    # Events and censored exposures as one set of occupied bins: one product
+    # per EM step (the step is the whole cost of a refit's fits).
+    lik = np.vstack((_E_LIK[re], _C_LIK[rc]))
+    share = np.concatenate((ev[re], ce[rc])) / n
     if init is not None and init.shape == (k + 1,) and np.isfinite(init).all() and init.min() > 0:
         w = init.copy()
     else:
         w = np.full(k + 1, 1.0 / (k + 1))
     for _ in range(iters):
-        we, wn = w[:k], w[k]
-        de = np.maximum(E @ we, 1e-300)
-        dc = np.maximum(C @ we + wn, 1e-300)
-        rc_ratio = ce_r / dc
-        w_new = np.empty(k + 1)
-        w_new[:k] = we * ((ev_r / de) @ E + rc_ratio @ C)
-        w_new[k] = wn * float(rc_ratio.sum())
-        w_new /= n
+        w_new = w * ((share / np.maximum(lik @ w, 1e-300)) @ lik)
         if np.abs(w_new - w).max() < tol:
             w = w_new
             break

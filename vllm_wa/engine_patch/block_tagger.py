@@ -236,8 +236,7 @@ class BlockTagger:
             self._looked_up[rid] = _Lookup(now, timing, tuple(block_hashes[-2:]), len(block_hashes))
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))
-        self.count_reuse(hit_blocks)
-        self._record_free_hits(hit_blocks)
+        self.count_reuse(hit_blocks, free_hits=True)
         # Hit accounting is per workload tag (the outcome is not known yet).
         tag_id = self.tags.id_of(req.tag, now)
         self.hit_blocks_by_tag[tag_id] += len(hit_blocks)
@@ -266,39 +265,27 @@ class BlockTagger:
 
     def _sampled_positions(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
         """``(position, hash)`` of the sampled prompt blocks: the cached prefix
-        by its blocks' flags, the rest by hashing."""
-        self._update_flags(hit_blocks)
-        sampled = self.queue.sampled
-        out = [(i, block_hashes[i]) for i, b in enumerate(hit_blocks) if sampled[b.block_id]]
-        is_sampled = self.sink.is_sampled
-        for i in range(len(hit_blocks), len(block_hashes)):
-            if is_sampled(block_hashes[i]):
-                out.append((i, block_hashes[i]))
-        return tuple(out)
-
-    def _update_flags(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Set each block's sampling flag, computed once per hash it holds."""
+        by its blocks' flags (set once per hash a block holds), the rest by hashing."""
         sampled, flagged = self.queue.sampled, self._flagged_hash
         is_sampled = self.sink.is_sampled
-        for b in blocks:
+        out = []
+        for i, b in enumerate(hit_blocks):
             h = b._block_hash
             bid = b.block_id
             if flagged[bid] is not h:
                 flagged[bid] = h
                 sampled[bid] = h is not None and is_sampled(h)
+            if sampled[bid]:
+                out.append((i, block_hashes[i]))
+        out += self.sink.sampled_from(block_hashes, len(hit_blocks))
+        return tuple(out)
 
-    def _record_free_hits(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
-        """Count hits on blocks that sat in the free list, per class."""
-        cls_of, reused = self.queue.block_class, self.queue.counters.reused
-        for b in hit_blocks:
-            if b.ref_cnt == 0 and b.next_free_block is not None:
-                c = cls_of[b.block_id]
-                if c < len(reused):
-                    reused[c] += 1
-
-    def count_reuse(self, hit_blocks: Sequence[KVCacheBlock]) -> None:
-        """One more prefix hit on each of ``hit_blocks``."""
+    def count_reuse(self, hit_blocks: Sequence[KVCacheBlock], *, free_hits: bool = False) -> None:
+        """One more prefix hit on each of ``hit_blocks``; with ``free_hits``,
+        also count per class the hits on blocks that sat in the free list."""
         counts, counted = self.reuse_count, self._counted_hash
+        cls_of, reused = self.queue.block_class, self.queue.counters.reused
+        num_classes = len(reused)
         for b in hit_blocks:
             bid = b.block_id
             h = b._block_hash
@@ -306,6 +293,10 @@ class BlockTagger:
                 counted[bid] = h
                 counts[bid] = 0
             counts[bid] += 1
+            if free_hits and b.ref_cnt == 0 and b.next_free_block is not None:
+                c = cls_of[bid]
+                if c < num_classes:
+                    reused[c] += 1
 
     def started_at(self, request_id: str) -> float | None:
         """When a request that holds blocks was looked up (None: not known)."""
@@ -375,7 +366,6 @@ class BlockTagger:
         queue = self.queue
         cls_of = queue.block_class
         sink = self.sink
-        want_flags = sink is not None and not sink.samples_all
         key = self.class_key
         now = queue.clock() if now is None else now
         if queue.stamp_at_lookup:
@@ -410,19 +400,25 @@ class BlockTagger:
             self.releases_over_class_cap += 1
         if sink is None:
             return
-        if want_flags:
-            self._update_flags(blocks)
         self._emit_freed(req, blocks, now)
 
     def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
-        """A FREED event for each sampled block this release puts on the free list."""
+        """A FREED event for each sampled block this release puts on the free list.
+
+        Blocks that hold a new hash get their sampling flag on the way (one
+        pass over the release: it runs for every block the engine frees).
+        """
         sink = self.sink
-        sampled = self.queue.sampled
+        sampled, flagged = self.queue.sampled, self._flagged_hash
         all_ = sink.samples_all
+        is_sampled = sink.is_sampled
         counts, counted = self.reuse_count, self._counted_hash
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
+            if not all_ and flagged[bid] is not h:
+                flagged[bid] = h
+                sampled[bid] = h is not None and is_sampled(h)
             if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
                 reuse = counts[bid] if counted[bid] == h else 0
                 sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))

@@ -14,6 +14,7 @@ controller can use; per-class totals are counted for every block by the queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -117,16 +118,28 @@ class EventSink:
         if self.lookup_hashes not in ("all", "sampled", "none"):
             raise ValueError(f"lookup_hashes must be all, sampled or none, got {self.lookup_hashes!r}")
         self._threshold = int(float(self.sample_rate) * (1 << 64))
+        self._samples_all = self._threshold >= (1 << 64)
         if self.chain_rate is not None and not 0.0 < float(self.chain_rate) <= 1.0:
             raise ValueError(f"chain_rate must be in (0, 1], got {self.chain_rate!r}")
         self._chain_threshold = -1 if self.chain_rate is None else int(float(self.chain_rate) * (1 << 64))
 
     @property
     def samples_all(self) -> bool:
-        return self._threshold >= (1 << 64)
+        return self._samples_all
 
     def is_sampled(self, block_hash: Any) -> bool:
-        return self._threshold >= (1 << 64) or hash_sample_value(block_hash) < self._threshold
+        return self._samples_all or hash_sample_value(block_hash) < self._threshold
+
+    def sampled_from(self, hashes: Sequence[Any], start: int) -> list[tuple[int, Any]]:
+        """``(position, hash)`` of the sampled ``hashes`` from ``start`` on.
+
+        One pass without a call per hash: a prompt's uncached blocks are
+        thousands on long agentic prompts, and this runs at every lookup.
+        """
+        if self._samples_all:
+            return [(i, hashes[i]) for i in range(start, len(hashes))]
+        thr, value = self._threshold, hash_sample_value
+        return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
 
     def chain_sampled(self, conversation: int) -> bool:
         """Whether a conversation (a 64-bit key) is in the miniature caches' sample."""
