@@ -149,7 +149,7 @@ def fit_hyperexponential(
     k = len(_HYPER_RATES)
     re, rc = np.flatnonzero(ev), np.flatnonzero(ce)
     # Events and censored exposures as one set of occupied bins: one product
-    # per EM step (the step is the whole cost of a refit's fits).
+    # per EM step (the steps are most of the time a refit spends fitting).
     lik = np.vstack((_E_LIK[re], _C_LIK[rc]))
     share = np.concatenate((ev[re], ce[rc])) / n
     if init is not None and init.shape == (k + 1,) and np.isfinite(init).all() and init.min() > 0:
