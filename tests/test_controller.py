@@ -136,6 +136,44 @@ def test_hyperexponential_recovers_a_heavy_tailed_survival():
     assert abs(again.survival(100.0) - model.survival(100.0)) < 1e-3
 
 
+def test_hyperexponential_fit_is_a_maximum_of_the_censored_likelihood():
+    """No shift of mass between two components (the never mass included)
+    raises the likelihood of the binned events and censored exposures:
+    the EM step uses both kinds of observation, each with its own density."""
+    rng = np.random.default_rng(5)
+    data = SurvivalData()
+    for g in rng.exponential(40.0, 3000):
+        if rng.random() < 0.6 and g < 600.0:
+            data.add_event(float(g))
+        else:
+            data.add_censored(float(rng.uniform(1, 600)))
+    model, w = None, None
+    for _ in range(20):  # warm starts, as the controller refits, to convergence
+        model, w = fit_hyperexponential(data, init=w)
+    assert model is not None and w is not None
+    scales = [1.0 / r for r in model.rates]
+    full = dict(zip(scales, model.weights))
+    comps = list(full)
+    base = log_likelihood(model, data)
+
+    def moved(src: float | None, dst: float | None, eps: float) -> ReuseModel:
+        ws = dict(full)
+        for k, d in ((src, -eps), (dst, eps)):
+            if k is not None:
+                ws[k] = ws[k] + d
+        return ReuseModel(tuple(ws.values()), tuple(1.0 / k for k in ws))
+
+    for src in [*comps, None]:  # None: the never mass
+        for dst in [*comps, None]:
+            if src == dst:
+                continue
+            mass = full[src] if src is not None else 1.0 - model.p
+            eps = min(0.01, 0.5 * mass)
+            if eps <= 1e-9:
+                continue
+            assert log_likelihood(moved(src, dst, eps), data) <= base + 1e-6 * data.n, (src, dst)
+
+
 def test_drift_detector_shortens_memory():
     est = ReuseEstimator(memory_s=1e9, drift_delta=0.002, drift_forget=0.25)
     rng = random.Random(1)
