@@ -269,6 +269,24 @@ def test_refit_learns_classes_and_swaps_params():
     assert any(cand["name"] == "lru" for cand in st["candidates"])
 
 
+@pytest.mark.parametrize("publish", [True, False])
+def test_refit_publishes_the_state_only_for_readers(publish):
+    """The engine publishes a snapshot at every refit for /wa/params; a replay
+    (no reader) skips it and its refits learn and swap the same."""
+    sink = EventSink(capacity=100000)
+    applied = Applied()
+    clock = [0.0]
+    c = WAController(small_config(), 200, applied, sink, clock=lambda: clock[0], publish=publish)
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    assert c.errors == 0 and c.swaps == 1
+    if publish:
+        # As of the refit (refit_seconds is set after it).
+        assert {**c.snapshot, "refit_seconds": None} == {**c.state(), "refit_seconds": None}
+    else:
+        assert c.snapshot is None
+
+
 def test_candidates_with_one_key_and_family_share_fits_and_get_the_models_of_their_own_fits():
     sink = EventSink(capacity=100000)
     clock = [0.0]

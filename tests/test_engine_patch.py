@@ -459,15 +459,22 @@ def test_request_that_does_not_fit_is_reported_finished(clock):
 
 @pytest.mark.parametrize("rate", [0.05, 0.5, 1.0])
 def test_sink_samples_a_prompts_tail_as_it_samples_each_hash(rate: float) -> None:
-    """The lookup's one-pass sampling picks exactly the hashes ``is_sampled``
-    picks, for trace ids (ints) and vLLM digests (bytes), from any start."""
+    """The lookup's one-pass sampling and a release's sampling mask pick
+    exactly the hashes ``is_sampled`` picks: trace ids (the numpy path),
+    integers that do not hash to themselves, vLLM digests (bytes), mixed
+    lists and None, from any start."""
     sink = EventSink(sample_rate=rate)
     rng = random.Random(7)
-    ints = [rng.getrandbits(62) for _ in range(400)]
+    ids = [rng.randrange(1 << 40) for _ in range(400)]
+    big = ids[:200] + [(1 << 61) - 1 + rng.getrandbits(40) for _ in range(200)]
+    negative = [-x for x in ids]
     digests = [rng.getrandbits(256).to_bytes(32, "little") + b"\x00" for _ in range(400)]
-    for hashes in (ints, digests):
+    mixed = [*ids[:100], True, None, "x", *digests[:100], *ids[100:200]]
+    for hashes in (ids, big, negative, digests):
         for start in (0, 1, 250, 400):
             expected = [(i, h) for i, h in enumerate(hashes) if i >= start and sink.is_sampled(h)]
             assert sink.sampled_from(hashes, start) == expected
-    picked = len(sink.sampled_from(ints, 0))
+    for hashes in (ids, big, negative, digests, mixed, [None, *ids], []):
+        assert sink.sampled_mask(hashes) == [h is not None and sink.is_sampled(h) for h in hashes]
+    picked = len(sink.sampled_from(ids, 0))
     assert picked == 400 if rate == 1.0 else 0 < picked < 400

@@ -184,6 +184,23 @@ def test_pinned_blocks_are_never_evicted_and_overflow_is_reported():
     assert [b._block_hash for b in hits] == [1, 2, 3]
 
 
+def test_a_prompt_that_repeats_a_hash_replays_under_every_policy():
+    """A trace whose prompts repeat a block id (hash ids need not be chained)
+    hits one block twice; every queue takes it off its free list once, as
+    vLLM's ``touch`` does, and with no eviction every policy hits alike."""
+    reqs = [
+        TraceRequest(f"r{i}", float(i), array("q", [1, 2, 1, 3, 1, 2, 10 + i]), 7 * 64, 1, service_time=0.1)
+        for i in range(5)
+    ]
+    tr = Trace("repeats", 64, reqs, "test")
+    cfg = ReplayConfig(profile_fraction=0.0)
+    want = run_one(tr, ReplayPolicy("lru"), 64, ReplayConfig(profile_fraction=0.0, engine="vllm"), eval_start=0.0)
+    assert want.hit_blocks > 0
+    setup = prepare(tr, [*POLICIES, "wa-online"], cfg)
+    for res in sweep(setup, [*POLICIES, "wa-online"], [64], jobs=1):
+        assert (res.policy, res.hit_blocks, res.overflow) == (res.policy, want.hit_blocks, 0)
+
+
 def _tiny_trace(pinned_s: float) -> Trace:
     reqs = [
         TraceRequest(f"r{i}", float(i), array("q", [100 * i + j for j in range(4)]), 256, 1, service_time=pinned_s)

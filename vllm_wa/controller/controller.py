@@ -86,12 +86,13 @@ def start_online(
     install: Callable[[EventSink, ClassRegistry, FeatureKey, ConversationTracker], tuple[Any, Any]],
     clock: Callable[[], float] = time.monotonic,
     prior: WAParams | None = None,
+    publish: bool = True,
 ) -> WAController:
     """Wire a live queue to a new controller (the engine and the replay share this).
 
     ``install(sink, registry, class_key, conversations)`` puts the
     workload-aware queue in place and returns ``(queue, tagger)``; swaps go
-    to both.
+    to both.  ``publish``: see :class:`WAController`.
     """
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
     chain = sample_rate_for(cache_blocks, config.shadow_blocks) if config.shadow_sampling == "chain" else None
@@ -109,7 +110,7 @@ def start_online(
             tagger.set_class_key(class_key)
         queue.set_params(params)
 
-    return WAController(config, cache_blocks, apply, sink, clock=clock, prior=prior)
+    return WAController(config, cache_blocks, apply, sink, clock=clock, prior=prior, publish=publish)
 
 
 class WAController:
@@ -123,6 +124,9 @@ class WAController:
         sink: the event sink the engine hooks write to.
         clock: seconds; trace time in replays.
         prior: parameters before anything is learned (LRU when None).
+        publish: publish :attr:`snapshot` at every refit, for readers on
+            other threads (``/wa/params``); a replay has none and reads
+            :meth:`state` once, at its end.
     """
 
     def __init__(
@@ -133,8 +137,10 @@ class WAController:
         sink: EventSink,
         clock: Callable[[], float] = time.monotonic,
         prior: WAParams | None = None,
+        publish: bool = True,
     ) -> None:
         self.config = config
+        self.publish = publish
         self.sink = sink
         self.clock = clock
         self.apply = apply
@@ -322,7 +328,8 @@ class WAController:
         self.refits += 1
         self.last_refit = now
         self._swap(now)
-        self.snapshot = self.state()
+        if self.publish:
+            self.snapshot = self.state()
         if self.config.checkpoint_path and now - self._last_checkpoint >= self.config.checkpoint_interval_s:
             self._last_checkpoint = now
             self.save_checkpoint(self.config.checkpoint_path)

@@ -375,7 +375,8 @@ class BlockTagger:
             at = now if started is None else started
             lookup_time = queue.lookup_time
             for b in blocks:
-                lookup_time[b.block_id] = max(lookup_time[b.block_id], at)
+                if lookup_time[b.block_id] < at:  # noqa: PLR1730 - no call per block
+                    lookup_time[b.block_id] = at
         self.retire_idle(now)
         claim = queue.registry.claim
         counts, counted = self.reuse_count, self._counted_hash
@@ -405,21 +406,20 @@ class BlockTagger:
     def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
         """A FREED event for each sampled block this release puts on the free list.
 
-        Blocks that hold a new hash get their sampling flag on the way (one
-        pass over the release: it runs for every block the engine frees).
+        Blocks that hold a new hash get their sampling flag on the way; the
+        release's hashes are sampled in one call (this runs for every block
+        the engine frees).
         """
         sink = self.sink
         sampled, flagged = self.queue.sampled, self._flagged_hash
-        all_ = sink.samples_all
-        is_sampled = sink.is_sampled
         counts, counted = self.reuse_count, self._counted_hash
-        for pos, b in enumerate(blocks):
-            h = b._block_hash
+        hashes = [b._block_hash for b in blocks]
+        for pos, (b, h, m) in enumerate(zip(blocks, hashes, sink.sampled_mask(hashes))):
             bid = b.block_id
-            if not all_ and flagged[bid] is not h:
+            if flagged[bid] is not h:
                 flagged[bid] = h
-                sampled[bid] = h is not None and is_sampled(h)
-            if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
+                sampled[bid] = m
+            if m and b.ref_cnt == 1:
                 reuse = counts[bid] if counted[bid] == h else 0
                 sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
 

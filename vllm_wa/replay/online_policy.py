@@ -46,7 +46,7 @@ class OnlineWAPolicy(ReplayPolicy):
                 self.tagger = BlockTagger(self.queue, blocks, sink=sink, class_key=key, conversations=conversations)
                 return self.queue, self.tagger
 
-            self.controller = start_online(self.config, len(blocks), install, clock)
+            self.controller = start_online(self.config, len(blocks), install, clock, publish=False)
             return self.queue
 
         return make
@@ -61,7 +61,7 @@ class OnlineWAPolicy(ReplayPolicy):
             self.queue, self.tagger = h.queue, h.tagger
             return h.queue, h.tagger
 
-        self.controller = start_online(self.config, len(block_pool.blocks), install, clock)
+        self.controller = start_online(self.config, len(block_pool.blocks), install, clock, publish=False)
 
     def advance(self, now: float) -> None:
         nxt = self._next_refit
