@@ -406,20 +406,25 @@ class BlockTagger:
     def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
         """A FREED event for each sampled block this release puts on the free list.
 
-        Blocks that hold a new hash get their sampling flag on the way; the
-        release's hashes are sampled in one call (this runs for every block
-        the engine frees).
+        Blocks that hold a new hash get their sampling flag on the way (one
+        pass over the release: it runs for every block the engine frees); a
+        replay's trace ids are sampled for the whole release in one call.
         """
         sink = self.sink
         sampled, flagged = self.queue.sampled, self._flagged_hash
+        all_ = sink.samples_all
+        is_sampled = sink.is_sampled
+        mask = None
+        if not all_ and blocks and type(blocks[0]._block_hash) is int:
+            mask = sink.sampled_ids([b._block_hash for b in blocks])
         counts, counted = self.reuse_count, self._counted_hash
-        hashes = [b._block_hash for b in blocks]
-        for pos, (b, h, m) in enumerate(zip(blocks, hashes, sink.sampled_mask(hashes))):
+        for pos, b in enumerate(blocks):
+            h = b._block_hash
             bid = b.block_id
-            if flagged[bid] is not h:
+            if not all_ and flagged[bid] is not h:
                 flagged[bid] = h
-                sampled[bid] = m
-            if m and b.ref_cnt == 1:
+                sampled[bid] = h is not None and (is_sampled(h) if mask is None else mask[pos])
+            if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
                 reuse = counts[bid] if counted[bid] == h else 0
                 sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
 

@@ -102,18 +102,18 @@ def hash_sample_value(block_hash: Any) -> int:
     return ((hash(block_hash) & _MASK64) * _MIX) & _MASK64
 
 
-def int_sample_values(block_hashes: Sequence[Any]) -> np.ndarray | None:
-    """``hash_sample_value`` of every hash in one numpy pass, or None.
+def int_sample_values(block_hashes: Sequence[Any], start: int = 0) -> np.ndarray | None:
+    """``hash_sample_value`` of ``block_hashes[start:]`` in one numpy pass, or None.
 
     Only for trace block ids (integers that hash to themselves), where the
     value is the id times the mixing constant modulo 2**64; anything else
-    (vLLM's bytes, None, other hashables) returns None and is hashed one by
+    (vLLM's bytes, None, other hashables) returns None, to be hashed one by
     one.  A replay samples tens of millions of block ids: a call each costs
     ten times this.
     """
-    if not block_hashes or type(block_hashes[0]) is not int:
+    if start >= len(block_hashes) or type(block_hashes[start]) is not int:
         return None
-    ids = np.asarray(block_hashes)
+    ids = np.asarray(block_hashes[start:] if start else block_hashes)
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= _HASH_IS_IDENTITY:
         return None
     return ids.astype(np.uint64) * _MIX_U64
@@ -161,21 +161,17 @@ class EventSink:
         """
         if self._samples_all:
             return [(i, hashes[i]) for i in range(start, len(hashes))]
-        values = int_sample_values(hashes[start:])
+        values = int_sample_values(hashes, start)
         if values is not None:
             return [(start + i, hashes[start + i]) for i in np.flatnonzero(values < self._threshold).tolist()]
         thr, value = self._threshold, hash_sample_value
         return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
 
-    def sampled_mask(self, hashes: Sequence[Any]) -> list[bool]:
-        """Whether each of ``hashes`` is sampled (a None hash is not)."""
-        if self._samples_all:
-            return [h is not None for h in hashes]
-        values = int_sample_values(hashes)
-        if values is not None:
-            return (values < self._threshold).tolist()
-        thr, value = self._threshold, hash_sample_value
-        return [h is not None and value(h) < thr for h in hashes]
+    def sampled_ids(self, hashes: Sequence[Any]) -> list[bool] | None:
+        """Whether each of ``hashes`` is sampled, when they are all trace ids
+        (one numpy pass); None otherwise (then ``is_sampled`` each)."""
+        values = None if self._samples_all else int_sample_values(hashes)
+        return None if values is None else (values < self._threshold).tolist()
 
     def chain_sampled(self, conversation: int) -> bool:
         """Whether a conversation (a 64-bit key) is in the miniature caches' sample."""
