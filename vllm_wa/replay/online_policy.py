@@ -20,7 +20,7 @@ from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.install import install_wa_queue
-from vllm_wa.replay.policies import ReplayPolicy
+from vllm_wa.replay.policies import NO_LATE_FACTS, ReplayPolicy
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -43,7 +43,10 @@ class OnlineWAPolicy(ReplayPolicy):
                 sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
             ) -> tuple[Any, Any]:
                 self.queue = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=registry, sink=sink)
-                self.tagger = BlockTagger(self.queue, blocks, sink=sink, class_key=key, conversations=conversations)
+                self.tagger = BlockTagger(
+                    self.queue, blocks, sink=sink, class_key=key, conversations=conversations,
+                    remember_finished=NO_LATE_FACTS,
+                )
                 return self.queue, self.tagger
 
             self.controller = start_online(self.config, len(blocks), install, clock, publish=False)

@@ -28,6 +28,10 @@ from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
 POLICIES = ("lru", "wa-offline", "opt", "infinite", "wa-online", "wa-reprofiled", *PEERS)
+# The fast engine tells a tagger each request's outcome at its release: no
+# late facts arrive (the vLLM engine reports them as the API server does), so
+# its taggers keep no records for them (BlockTagger's remember_finished).
+NO_LATE_FACTS = 0
 
 
 @dataclass
@@ -77,7 +81,9 @@ class StaticWAPolicy(ReplayPolicy):
             self.queue = WorkloadAwareFreeQueue(
                 blocks, self.params, clock=clock, registry=self.registry, sink=self.sink
             )
-            self.tagger = BlockTagger(self.queue, blocks, sink=self.sink, class_key=self.class_key)
+            self.tagger = BlockTagger(
+                self.queue, blocks, sink=self.sink, class_key=self.class_key, remember_finished=NO_LATE_FACTS
+            )
             return self.queue
 
         return make
