@@ -123,6 +123,15 @@ def test_idle_below_inverts_the_score(scorer, d):
         assert scorer.log_score(earlier) >= target - 1e-12
 
 
+def test_idle_below_searches_up_to_its_limit_and_no_further():
+    """Slow classes cross late: a crossing at 5e8 s is found (to 1e-9
+    relative), one past the search limit (1e9 s, about 30 years) is inf."""
+    scorer = ClassScorer(ReuseModel((0.5, 0.3), (1e-8, 1e-9)), 10.0, "pr")
+    idle = scorer.idle_below(scorer.log_score(5e8))
+    assert idle == pytest.approx(5e8, rel=1e-8)
+    assert scorer.idle_below(scorer.log_score(2e9)) == math.inf
+
+
 def test_scores_match_closed_forms():
     m = ReuseModel.exponential(0.6, 0.1)
     pr = ClassScorer(m, 5.0, "pr")

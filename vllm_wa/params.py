@@ -170,8 +170,9 @@ class ClassScorer:
     def idle_below(self, target: float) -> float:
         """Smallest idle time ``D >= 0`` with ``log_score(D) < target`` (strict).
 
-        Returns ``inf`` when the score never falls below ``target``.  The queue
-        uses it to take a run of victims from one class without scoring each.
+        Returns ``inf`` when the score does not fall below ``target`` within
+        ``_MAX_IDLE_S``.  The queue uses it to take a run of victims from one
+        class without scoring each.
         """
         f_lo = self.log_score(0.0) - target
         if f_lo < 0.0:
@@ -182,7 +183,7 @@ class ClassScorer:
         if self.mode == "pr" and len(terms) == 1 and terms[0][1] > 0.0:
             c, r = terms[0]
             return max(0.0, (c - target) / r)
-        # Bracket the crossing by powers of 4, then close in by regula falsi
+        # Bracket the crossing by powers of 64, then close in by regula falsi
         # with the Illinois step (Dowell & Jarratt 1971): a handful of scores
         # instead of bisection's thirty.  ``hi`` always scores below target.
         lo = 0.0
@@ -191,10 +192,10 @@ class ClassScorer:
             f_hi = self.log_score(hi) - target
             if f_hi < 0.0:
                 break
-            lo, f_lo = hi, f_hi
-            hi *= 64.0
-            if hi > _MAX_IDLE_S:
+            if hi >= _MAX_IDLE_S:
                 return math.inf
+            lo, f_lo = hi, f_hi
+            hi = min(hi * 64.0, _MAX_IDLE_S)
         side = 0
         for _ in range(64):
             if hi - lo <= 1e-9 * max(1.0, hi):
