@@ -73,17 +73,10 @@ class TwinQueues:
         elif op < 0.9:
             free_hashed = [b.block_id for b in vq.get_all_free_blocks() if b._block_hash is not None]
             if free_hashed:
-                # Prefix hits: vLLM removes them one by one; the WA queue
-                # either way (remove_n is the replay's batch form).
-                chosen = rng.sample(free_hashed, min(len(free_hashed), rng.randint(1, 3)))
-                for bid in chosen:
-                    vq.remove(self.vb[bid])
-                if rng.random() < 0.5:
-                    wq.remove_n([self.wb[bid] for bid in chosen])
-                else:
-                    for bid in chosen:
-                        wq.remove(self.wb[bid])
-                self.held.extend(chosen)
+                bid = rng.choice(free_hashed)
+                vq.remove(self.vb[bid])
+                wq.remove(self.wb[bid])
+                self.held.append(bid)
         else:
             assert ids(vq.get_all_free_blocks()) == ids(wq.get_all_free_blocks())
         assert vq.num_free_blocks == wq.num_free_blocks
@@ -394,14 +387,10 @@ def test_popleft_on_empty_raises():
 
 
 def test_remove_of_non_free_block_raises():
-    q = WorkloadAwareFreeQueue([KVCacheBlock(0), KVCacheBlock(1), KVCacheBlock(2)], None, clock=SettableClock())
+    q = WorkloadAwareFreeQueue([KVCacheBlock(0), KVCacheBlock(1)], None, clock=SettableClock())
     b = q.popleft()
     with pytest.raises(RuntimeError):
         q.remove(b)
-    # The batch form removes the blocks before the bad one and counts them.
-    with pytest.raises(RuntimeError):
-        q.remove_n([q.get_all_free_blocks()[0], b])
-    assert q.num_free_blocks == len(q.get_all_free_blocks()) == 1
 
 
 def test_counters_track_free_and_evicted_per_class():

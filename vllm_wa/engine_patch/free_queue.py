@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -342,11 +342,7 @@ class WorkloadAwareFreeQueue:
         self.num_free_blocks += len(blocks)
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Take a free block off its list: a prefix-cache hit reuses it.
-
-        vLLM's ``touch`` calls this per block; the body is ``remove_n``'s
-        loop body, written out because a call through it costs twice as much.
-        """
+        """Take a free block off its list: a prefix-cache hit reuses it."""
         prev_block = block.prev_free_block
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
@@ -358,28 +354,6 @@ class WorkloadAwareFreeQueue:
         if prev_block.block_id < 0:
             # A class head changed (sentinels have id -1).
             self._sel_dirty = True
-
-    def remove_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``remove`` each block in turn, in one call: a replayed prompt's
-        free hits are thousands of blocks."""
-        removed = 0
-        head_changed = False
-        try:
-            for block in blocks:
-                prev_block = block.prev_free_block
-                next_block = block.next_free_block
-                if prev_block is None or next_block is None:
-                    raise RuntimeError(f"remove() called on an invalid block: {block}")
-                prev_block.next_free_block = next_block
-                next_block.prev_free_block = prev_block
-                block.prev_free_block = block.next_free_block = None
-                removed += 1
-                # A class head changed (sentinels have id -1).
-                head_changed = head_changed or prev_block.block_id < 0
-        finally:
-            self.num_free_blocks -= removed
-            if head_changed:
-                self._sel_dirty = True
 
     def popleft(self) -> KVCacheBlock:
         if self.num_free_blocks <= 0:
