@@ -56,6 +56,14 @@ def _check_number(name: str, value: Any, *, hi: float = math.inf) -> float:
     return check_number(name, value, ge=0.0, le=hi, error=ParamsError)
 
 
+def _logsumexp(terms: list[float]) -> float:
+    m = max(terms)
+    if m == _NEG_INF:
+        return _NEG_INF
+    # A list, not a generator: the queue's run search calls this millions of times a replay.
+    return m + math.log(math.fsum([math.exp(t - m) for t in terms]))
+
+
 @dataclass(frozen=True)
 class ReuseModel:
     """Reuse-delay model of one workload class (a mixture of exponentials)."""
@@ -145,8 +153,6 @@ class ClassScorer:
         object.__setattr__(self, "_occupancy_terms", tuple(occupancy))
 
     def log_score(self, idle_s: float) -> float:
-        # The log-sum-exps are written out (no call, lists not generators):
-        # the queue's run search evaluates this a few million times a replay.
         terms = self._window_terms
         if not terms:
             return _NEG_INF
@@ -154,18 +160,14 @@ class ClassScorer:
             c, r = terms[0]
             log_window = c - r * idle_s
         else:
-            xs = [c - r * idle_s for c, r in terms]
-            m = max(xs)
-            log_window = _NEG_INF if m == _NEG_INF else m + math.log(math.fsum([math.exp(x - m) for x in xs]))
+            log_window = _logsumexp([c - r * idle_s for c, r in terms])
         if self.mode == "pr":
             return log_window
         surv = self._survival_terms if self.mode == "posterior" else self._occupancy_terms
         if len(surv) == 1:
             c, r = surv[0]
             return log_window - (c - r * idle_s)
-        xs = [c - r * idle_s for c, r in surv]
-        m = max(xs)
-        return log_window - (_NEG_INF if m == _NEG_INF else m + math.log(math.fsum([math.exp(x - m) for x in xs])))
+        return log_window - _logsumexp([c - r * idle_s for c, r in surv])
 
     def idle_below(self, target: float) -> float:
         """Smallest idle time ``D >= 0`` with ``log_score(D) < target`` (strict).

@@ -88,12 +88,9 @@ class SimBlockPool:
             # A queue may take the free hits in one call (same order, same effect).
             remove_n = getattr(queue, "remove_n", None)
             if remove_n is not None:
-                free = [b for b in hits if not b.ref_cnt]
-                if len(free) > 1 and len({id(b) for b in free}) < len(free):
-                    # A prompt that repeats a hash hits one block twice: it
-                    # leaves the free queue once, as in vLLM's touch().
-                    free = list({id(b): b for b in free}.values())
-                remove_n(free)
+                # A prompt that repeats a hash hits one block twice: it leaves
+                # the free queue once (in order of first hit), as in vLLM's touch().
+                remove_n(list({id(b): b for b in hits if not b.ref_cnt}.values()))
                 for b in hits:
                     b.ref_cnt += 1
             else:
