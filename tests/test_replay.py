@@ -184,6 +184,24 @@ def test_pinned_blocks_are_never_evicted_and_overflow_is_reported():
     assert [b._block_hash for b in hits] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("first_miss", [0, 1, 63, 64, 65, 191, 192, 500, 998, None])
+def test_lookup_is_the_cached_prefix_of_long_prompts(first_miss):
+    """The lookup reads the prompt in growing chunks; what it returns is the
+    longest cached prefix (never the last block), wherever the first miss is,
+    and cached blocks past a miss do not count."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    pool = SimBlockPool(1100, FreeKVCacheBlockQueue)
+    prompt = list(range(1000))
+    cached = prompt if first_miss is None else prompt[:first_miss] + prompt[first_miss + 1 :]
+    assert pool.allocate("a", cached, [])
+    pool.release("a")
+    hits = pool.lookup(prompt)
+    want = 999 if first_miss is None else first_miss
+    assert [b._block_hash for b in hits] == prompt[:want]
+    assert [b._block_hash for b in pool.lookup(prompt[:want + 1])] == prompt[:want]
+
+
 def test_a_prompt_that_repeats_a_hash_replays_under_every_policy():
     """A trace whose prompts repeat a block id (hash ids need not be chained)
     hits one block twice; every queue takes it off its free list once, as

@@ -22,6 +22,9 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+# Blocks a prefix lookup checks first; each further chunk is twice as long.
+_FIRST_CHUNK = 64
+
 
 class SimBlockPool:
     """Prefix cache of ``num_blocks`` blocks (block 0 is vLLM's null block).
@@ -62,15 +65,25 @@ class SimBlockPool:
         limit = len(hashes) if self.last_block_hits else len(hashes) - 1
         if limit <= 0:
             return []
-        # C-level passes over the prompt, then a cut at the first miss (``is``:
-        # blocks compare by value, which would cost a Python call each).
-        found = list(map(self.cached.get, hashes[:limit]))
-        if self.prefix_hits:
-            missed = list(map(is_, found, repeat(None)))
+        get = self.cached.get
+        if not self.prefix_hits:
+            return [b for b in map(get, hashes[:limit]) if b is not None]
+        # C-level passes over chunks of the prompt, each twice the last, until
+        # one holds a miss (``is``: blocks compare by value, which would cost a
+        # Python call each): a prompt's uncached tail past that chunk is not
+        # looked up (half the lookups of a long prompt that half hits).
+        found: list[KVCacheBlock] = []
+        start, step = 0, _FIRST_CHUNK
+        while start < limit:
+            chunk = list(map(get, hashes[start:min(start + step, limit)]))
+            missed = list(map(is_, chunk, repeat(None)))
             if True in missed:
-                del found[missed.index(True):]
-            return found
-        return [b for b in found if b is not None]
+                found += chunk[:missed.index(True)]
+                return found
+            found += chunk
+            start += step
+            step *= 2
+        return found
 
     def allocate(self, rid: str, hashes: Sequence[Any], hits: list[KVCacheBlock]) -> bool:
         """Pin ``hits`` and new blocks for the rest of the prompt; False if it does not fit."""

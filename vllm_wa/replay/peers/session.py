@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,8 @@ class SessionQueue(PeerQueue):
         self.ghost_hit_weight = ghost_hit_weight
         self.ghost_miss_weight = ghost_miss_weight
         self.ghost_norm = ghost_norm
+        self._hit_amount: list[float] = []
+        self._miss_amount: list[float] = []
         self.ghost = GhostScores(decay_factor)
         self.resident = ResidentKeys()
         self.sessions: dict[int, Session] = {}
@@ -209,34 +212,41 @@ class SessionQueue(PeerQueue):
     ) -> None:
         """The source's ``touch`` over a request's keys; ``stored``: its blocks not yet ready."""
         session_of, sessions = self.session_of, self.sessions
-        not_ready = {b.block_id for b in stored}
         self.logical_time += 1
         primary, ghost = self.resident.primary, self.ghost
-        hit_w, miss_w = self.ghost_hit_weight, self.ghost_miss_weight
-        weights = _position_weights(len(hashes))
-        entries, tick = ghost.entries, ghost.tick
-        touched: set[int] = set()
-        last_sid = -1
-        n_hit = len(hit_blocks)
-        for pos in range(len(hashes)):
-            key = hashes[pos]
-            # The hit prefix is resident: its blocks are the ones lookups find.
-            bid = hit_blocks[pos].block_id if pos < n_hit else primary.get(key)
-            if bid is not None:
-                amount = weights[pos] * (miss_w if bid in not_ready else hit_w)
-                sid = session_of[bid]
-                if sid != last_sid and sid >= 0:
-                    touched.add(sid)
-                    last_sid = sid
-            else:
-                amount = weights[pos] * miss_w
-            e = entries.get(key)
-            if e is None:  # fast paths of GhostScores.add: nothing to decay
+        n, n_hit = len(hashes), len(hit_blocks)
+        hit_amount, miss_amount = self._amounts(n)
+        # Resident block of each key: the hit prefix's blocks are the ones
+        # lookups find; past it, whichever block holds the key (or None).
+        bids = [b.block_id for b in hit_blocks]
+        bids.extend(map(primary.get, hashes[n_hit:]))
+        touched = set(map(session_of.__getitem__, [b for b in bids if b is not None]))
+        touched.discard(-1)
+        # Each key's ghost score grows (its position's weight, times the hit
+        # weight when resident and ready); fast paths of GhostScores.add where
+        # there is nothing to decay.
+        entries, tick, get, add = ghost.entries, ghost.tick, ghost.entries.get, ghost.add
+        for key, amount in zip(hashes[:n_hit], hit_amount):
+            e = get(key)
+            if e is None:
                 entries[key] = [amount, tick, -1]
             elif e[1] == tick:
                 e[0] += amount
             else:
-                ghost.add(key, bid is not None, amount)
+                add(key, True, amount)
+        if n > n_hit:
+            not_ready = {b.block_id for b in stored}
+            for key, bid, h_amount, m_amount in zip(
+                hashes[n_hit:], bids[n_hit:], hit_amount[n_hit:n], miss_amount[n_hit:n]
+            ):
+                amount = m_amount if bid is None or bid in not_ready else h_amount
+                e = get(key)
+                if e is None:
+                    entries[key] = [amount, tick, -1]
+                elif e[1] == tick:
+                    e[0] += amount
+                else:
+                    add(key, bid is not None, amount)
         t = self.logical_time
         for sid in touched:
             s = sessions[sid]
@@ -248,6 +258,14 @@ class SessionQueue(PeerQueue):
             for s in sessions.values():
                 s.hits *= f
             ghost.tick += 1
+
+    def _amounts(self, n: int) -> tuple[list[float], list[float]]:
+        """Ghost-score increments by position for a resident (hit) and a missing key."""
+        if n > len(self._hit_amount):
+            weights = _position_weights(n)[:n]
+            self._hit_amount = [w * self.ghost_hit_weight for w in weights]
+            self._miss_amount = [w * self.ghost_miss_weight for w in weights]
+        return self._hit_amount, self._miss_amount
 
     def forget(self, request_id: str, now: float) -> None:
         self._merge_target = None
@@ -262,9 +280,12 @@ class SessionQueue(PeerQueue):
 
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
         hashes, key_of, resident = req.hashes, self.key_of, self.resident
-        for j in range(n_hit, len(blocks)):
-            key_of[blocks[j].block_id] = hashes[j]
-            resident.add(hashes[j], blocks[j].block_id)
+        setdefault, others = resident.primary.setdefault, resident._others
+        for b, key in zip(blocks[n_hit:], hashes[n_hit:]):
+            bid = b.block_id
+            key_of[bid] = key
+            if setdefault(key, bid) != bid:  # ResidentKeys.add: a second block holding the key
+                others.setdefault(key, []).append(bid)
         target = self._merge_target
         self._merge_target = None
         if n_hit == len(blocks):
@@ -322,6 +343,18 @@ class SessionQueue(PeerQueue):
             self.sessions[sid].free -= 1
         else:
             self._sessionless.remove(block)
+
+    def _unfree_cached_n(self, blocks: list[KVCacheBlock]) -> None:
+        # A prompt's hits come from few sessions: count them per session.
+        session_of = self.session_of
+        counts = Counter(session_of[b.block_id] for b in blocks)
+        loose = counts.pop(-1, 0)
+        for sid, k in counts.items():
+            self.sessions[sid].free -= k
+        if loose:
+            for b in blocks:
+                if session_of[b.block_id] < 0:
+                    self._sessionless.remove(b)
 
     def _forget_keys(self, victims: list[KVCacheBlock]) -> None:
         """The victims are no longer cached: their keys leave the index, ghosts note it."""
