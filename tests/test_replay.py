@@ -6,17 +6,19 @@ import gzip
 import json
 import math
 from array import array
+from dataclasses import replace
 
 import pytest
 
 from vllm_wa.cli import main as cli_main
 from vllm_wa.cli import sample_path
+from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.params import WAParams
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
-from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes, run_one, sweep, swap_tags
+from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep, swap_tags
 from vllm_wa.sim.block_pool import SimBlockPool
 from vllm_wa.replay.trace import Trace, TraceRequest
 
@@ -200,6 +202,60 @@ def test_lookup_is_the_cached_prefix_of_long_prompts(first_miss):
     want = 999 if first_miss is None else first_miss
     assert [b._block_hash for b in hits] == prompt[:want]
     assert [b._block_hash for b in pool.lookup(prompt[:want + 1])] == prompt[:want]
+
+
+class _OpaqueId:
+    """A block id that is not an int (like vLLM's digests): sampled one by one."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __hash__(self) -> int:
+        return self.v
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _OpaqueId and other.v == self.v
+
+
+def _event_record(e) -> tuple:
+    """What an event says, with opaque ids read back as ints."""
+    def plain(h):
+        return h.v if type(h) is _OpaqueId else h
+
+    fields = e._asdict()
+    fields.pop("request", None)
+    if "block_hash" in fields:
+        fields["block_hash"] = plain(fields["block_hash"])
+    for k in ("hashes", "chain"):
+        if k in fields:
+            fields[k] = tuple((i, plain(h)) for i, h in fields[k])
+    return tuple(fields.items())
+
+
+def test_trace_ids_sampled_in_one_pass_match_per_block_sampling(agentic, monkeypatch):
+    """Trace ids take numpy paths (sampled lookups, release flags and FREED
+    events); the same trace with ids the tagger must hash one by one gives the
+    same events, controller evidence and hits."""
+    from vllm_wa.engine_patch.events import EventKind, EventSink
+
+    trace = agentic.head(400)
+    opaque = trace.with_requests([replace(r, hash_ids=[_OpaqueId(h) for h in r.hash_ids]) for r in trace.requests])
+    cfg = ReplayConfig(controller_config=ControllerConfig(sample_rate=0.25, shadow_blocks=256))
+    emit = EventSink.emit
+    got = []
+    for t in (trace, opaque):
+        events: list[tuple] = []
+        monkeypatch.setattr(EventSink, "emit", lambda self, e, events=events: events.append(_event_record(e)) or emit(self, e))
+        setup = prepare(t, ["wa-online"], cfg)
+        (n,) = resolve_sizes("10%", setup.trace, setup.eval_start)
+        r = run_one(setup.trace, make_policy("wa-online", setup), n, cfg, setup.eval_start)
+        got.append((r.hit_tokens, r.extra["candidates"], events))
+    assert got[0] == got[1]
+    kinds = {e[0][1] for e in got[0][2]}
+    assert {EventKind.FREED, EventKind.EVICTED, EventKind.LOOKUP} <= kinds
+    assert 0 < got[0][1][0]["sampled_lookups"] < sum(len(r.hash_ids) for r in trace.requests) / 2
 
 
 def test_a_prompt_that_repeats_a_hash_replays_under_every_policy():

@@ -17,8 +17,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any, Protocol
 
+import numpy as np
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_wa.engine_patch.conversations import ConversationTracker, TurnTiming
@@ -31,6 +33,8 @@ from vllm_wa.engine_patch.events import (
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
+
+_block_id = attrgetter("block_id")
 
 # Reply outcomes, known to the engine (stop, length, abort) or reported to it
 # after the API server parsed the reply (tool).
@@ -266,6 +270,10 @@ class BlockTagger:
     def _sampled_positions(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
         """``(position, hash)`` of the sampled prompt blocks: the cached prefix
         by its blocks' flags (set once per hash a block holds), the rest by hashing."""
+        if block_hashes and type(block_hashes[0]) is int:
+            # Trace ids: the whole prompt in one numpy pass (a hit block holds
+            # its prompt position's id, so its flag would say the same).
+            return tuple(self.sink.sampled_from(block_hashes, 0))
         sampled, flagged = self.queue.sampled, self._flagged_hash
         is_sampled = self.sink.is_sampled
         out = []
@@ -414,16 +422,25 @@ class BlockTagger:
         sampled, flagged = self.queue.sampled, self._flagged_hash
         all_ = sink.samples_all
         is_sampled = sink.is_sampled
-        mask = None
+        counts, counted = self.reuse_count, self._counted_hash
         if not all_ and blocks and type(blocks[0]._block_hash) is int:
             mask = sink.sampled_ids([b._block_hash for b in blocks])
-        counts, counted = self.reuse_count, self._counted_hash
+            if mask is not None:
+                # Trace ids: every flag at once, then only the sampled blocks.
+                np.frombuffer(sampled, dtype=np.uint8)[list(map(_block_id, blocks))] = mask
+                for pos in np.flatnonzero(mask).tolist():
+                    b = blocks[pos]
+                    if b.ref_cnt == 1:
+                        h, bid = b._block_hash, b.block_id
+                        reuse = counts[bid] if counted[bid] == h else 0
+                        sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
+                return
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
             if not all_ and flagged[bid] is not h:
                 flagged[bid] = h
-                sampled[bid] = h is not None and (is_sampled(h) if mask is None else mask[pos])
+                sampled[bid] = h is not None and is_sampled(h)
             if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
                 reuse = counts[bid] if counted[bid] == h else 0
                 sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))

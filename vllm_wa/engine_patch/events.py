@@ -167,11 +167,11 @@ class EventSink:
         thr, value = self._threshold, hash_sample_value
         return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
 
-    def sampled_ids(self, hashes: Sequence[Any]) -> list[bool] | None:
-        """Whether each of ``hashes`` is sampled, when they are all trace ids
-        (one numpy pass); None otherwise (then ``is_sampled`` each)."""
+    def sampled_ids(self, hashes: Sequence[Any]) -> np.ndarray | None:
+        """Whether each of ``hashes`` is sampled (a bool array), when they are
+        all trace ids (one numpy pass); None otherwise (then ``is_sampled`` each)."""
         values = None if self._samples_all else int_sample_values(hashes)
-        return None if values is None else (values < self._threshold).tolist()
+        return None if values is None else values < self._threshold
 
     def chain_sampled(self, conversation: int) -> bool:
         """Whether a conversation (a 64-bit key) is in the miniature caches' sample."""
