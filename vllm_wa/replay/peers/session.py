@@ -222,31 +222,25 @@ class SessionQueue(PeerQueue):
         bids.extend(map(primary.get, hashes[n_hit:]))
         touched = set(map(session_of.__getitem__, [b for b in bids if b is not None]))
         touched.discard(-1)
-        # Each key's ghost score grows (its position's weight, times the hit
-        # weight when resident and ready); fast paths of GhostScores.add where
-        # there is nothing to decay.
+        # Each key's ghost score grows by its position's weight, times the hit
+        # weight when resident and ready (the hit prefix always is).
+        amounts = hit_amount[:n_hit]
+        if n > n_hit:
+            not_ready = {b.block_id for b in stored}
+            amounts += [
+                m if bid is None or bid in not_ready else h
+                for bid, h, m in zip(bids[n_hit:], hit_amount[n_hit:n], miss_amount[n_hit:n])
+            ]
+        # Fast paths of GhostScores.add where there is nothing to decay.
         entries, tick, get, add = ghost.entries, ghost.tick, ghost.entries.get, ghost.add
-        for key, amount in zip(hashes[:n_hit], hit_amount):
+        for key, amount, bid in zip(hashes, amounts, bids):
             e = get(key)
             if e is None:
                 entries[key] = [amount, tick, -1]
             elif e[1] == tick:
                 e[0] += amount
             else:
-                add(key, True, amount)
-        if n > n_hit:
-            not_ready = {b.block_id for b in stored}
-            for key, bid, h_amount, m_amount in zip(
-                hashes[n_hit:], bids[n_hit:], hit_amount[n_hit:n], miss_amount[n_hit:n]
-            ):
-                amount = m_amount if bid is None or bid in not_ready else h_amount
-                e = get(key)
-                if e is None:
-                    entries[key] = [amount, tick, -1]
-                elif e[1] == tick:
-                    e[0] += amount
-                else:
-                    add(key, bid is not None, amount)
+                add(key, bid is not None, amount)
         t = self.logical_time
         for sid in touched:
             s = sessions[sid]
