@@ -255,10 +255,11 @@ class SessionQueue(PeerQueue):
 
     def _amounts(self, n: int) -> tuple[list[float], list[float]]:
         """Ghost-score increments by position for a resident (hit) and a missing key."""
-        if n > len(self._hit_amount):
-            weights = _position_weights(n)[:n]
-            self._hit_amount = [w * self.ghost_hit_weight for w in weights]
-            self._miss_amount = [w * self.ghost_miss_weight for w in weights]
+        k = len(self._hit_amount)
+        if n > k:  # grown like _position_weights: only the new positions
+            weights = _position_weights(n)[k:n]
+            self._hit_amount += [w * self.ghost_hit_weight for w in weights]
+            self._miss_amount += [w * self.ghost_miss_weight for w in weights]
         return self._hit_amount, self._miss_amount
 
     def forget(self, request_id: str, now: float) -> None:
