@@ -198,7 +198,7 @@ class SessionQueue(PeerQueue):
     # ---- lookup and touch -----------------------------------------------------------------
 
     def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
-        session_of, sessions = self.session_of, self.sessions
+        session_of = self.session_of
         # record_lookup: the last resident hit names the merge target.
         self._merge_target = None
         if hit_blocks:
