@@ -58,8 +58,8 @@ def _run(task: Task) -> tuple[Task, dict[str, Any]]:
         policy = make_policy(kind, setup)
     else:
         cand = candidate(features, stamp)
-        policy = OnlineWAPolicy(
-            "wa-online", config=replace(base, tuner_enabled=False, initial=cand.name, candidates=(cand,))
+        policy = OnlineWAPolicy.create(
+            replace(base, tuner_enabled=False, initial=cand.name, candidates=(cand,)), setup.trace
         )
     r = run_one(setup.trace, policy, size, setup.cfg, setup.eval_start)
     return task, {"token_hit_rate": r.token_hit_rate, "block_hit_rate": r.block_hit_rate, "wall_s": r.wall_s}

@@ -133,7 +133,7 @@ def full_size(setup: Setup, size: int, name: str) -> dict[str, Any]:
     if name == LRU:
         pol: ReplayPolicy = ReplayPolicy(LRU)
     else:
-        pol = OnlineWAPolicy("wa-online", config=replace(setup.base, tuner_enabled=False, initial=name))
+        pol = OnlineWAPolicy.create(replace(setup.base, tuner_enabled=False, initial=name), setup.trace)
     res = run_one(setup.trace, pol, size, setup.replay, setup.eval_start)
     return {
         "block_hit_rate": res.block_hit_rate,

@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.request import RequestStatus
@@ -482,3 +483,32 @@ def test_sink_samples_a_prompts_tail_as_it_samples_each_hash(rate: float) -> Non
         assert sink.sampled_ids(hashes) is None
     picked = len(sink.sampled_from(ids, 0))
     assert picked == 400 if rate == 1.0 else 0 < picked < 400
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.5])
+def test_sink_samples_renumbered_trace_ids_by_their_file_ids(rate: float) -> None:
+    """A replay renumbers a trace's ids 0 .. n-1; a sink told the file's ids
+    picks the blocks (one by one, in one pass, in a release's mask, in a
+    nested sample) and keys the conversations that a sink on the file's ids
+    picks, whatever the renumbering."""
+    rng = random.Random(11)
+    file_ids = sorted(rng.sample(range(1 << 50), 600))
+    source = np.array(file_ids, dtype=np.int64)
+    plain, renumbered = EventSink(sample_rate=rate), EventSink(sample_rate=rate, source_ids=source)
+    dense = list(range(600))
+    assert [renumbered.sample_value(i) for i in dense] == [plain.sample_value(h) for h in file_ids]
+    assert [renumbered.is_sampled(i) for i in dense] == [plain.is_sampled(h) for h in file_ids]
+    for start in (0, 7, 599):
+        assert [i for i, _ in renumbered.sampled_from(dense, start)] == [i for i, _ in plain.sampled_from(file_ids, start)]
+    assert renumbered.sampled_ids(dense).tolist() == plain.sampled_ids(file_ids).tolist()
+    thr = int(rate / 2 * (1 << 64))
+    assert [file_ids[i] for i in renumbered.below(dense, thr)] == plain.below(file_ids, thr)
+    assert 0 < len(plain.below(file_ids, thr)) < len(plain.sampled_from(file_ids, 0)) < 600
+    # Digests and other hashables are sampled as without the table.
+    digests = [rng.getrandbits(256).to_bytes(32, "little") for _ in range(50)]
+    assert renumbered.sampled_from(digests, 0) == plain.sampled_from(digests, 0)
+    assert ConversationTracker(key_of=renumbered.sample_value).lookup(dense[3:9], 0, 0.0).conversation == (
+        ConversationTracker(key_of=plain.sample_value).lookup(file_ids[3:9], 0, 0.0).conversation
+    )
+    with pytest.raises(ValueError, match="source_ids"):
+        EventSink(source_ids=np.array([3, -1]))

@@ -20,7 +20,7 @@ from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep, swap_tags
 from vllm_wa.sim.block_pool import SimBlockPool
-from vllm_wa.replay.trace import Trace, TraceRequest
+from vllm_wa.replay.trace import Trace, TraceRequest, renumber_ids
 
 AGENTIC = sample_path("agentic-coding-sample.tar.xz")
 MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
@@ -219,10 +219,12 @@ class _OpaqueId:
         return type(other) is _OpaqueId and other.v == self.v
 
 
-def _event_record(e) -> tuple:
-    """What an event says, with opaque ids read back as ints."""
+def _event_record(e, source_ids=None) -> tuple:
+    """What an event says, with opaque and renumbered ids read back as the file's ints."""
     def plain(h):
-        return h.v if type(h) is _OpaqueId else h
+        if type(h) is _OpaqueId:
+            return h.v
+        return int(source_ids[h]) if source_ids is not None and type(h) is int else h
 
     fields = e._asdict()
     fields.pop("request", None)
@@ -236,7 +238,8 @@ def _event_record(e) -> tuple:
 
 def test_trace_ids_sampled_in_one_pass_match_per_block_sampling(agentic, monkeypatch):
     """Trace ids take numpy paths (sampled lookups, release flags and FREED
-    events); the same trace with ids the tagger must hash one by one gives the
+    events) and are renumbered densely by the replay; the same trace with ids
+    the tagger must hash one by one (and that are not renumbered) gives the
     same events, controller evidence and hits."""
     from vllm_wa.engine_patch.events import EventKind, EventSink
 
@@ -247,8 +250,13 @@ def test_trace_ids_sampled_in_one_pass_match_per_block_sampling(agentic, monkeyp
     got = []
     for t in (trace, opaque):
         events: list[tuple] = []
-        monkeypatch.setattr(EventSink, "emit", lambda self, e, events=events: events.append(_event_record(e)) or emit(self, e))
         setup = prepare(t, ["wa-online"], cfg)
+        assert (setup.trace.source_ids is not None) == (t is trace)
+        monkeypatch.setattr(
+            EventSink,
+            "emit",
+            lambda self, e, events=events, src=setup.trace.source_ids: events.append(_event_record(e, src)) or emit(self, e),
+        )
         (n,) = resolve_sizes("10%", setup.trace, setup.eval_start)
         r = run_one(setup.trace, make_policy("wa-online", setup), n, cfg, setup.eval_start)
         got.append((r.hit_tokens, r.extra["candidates"], events))
@@ -256,6 +264,48 @@ def test_trace_ids_sampled_in_one_pass_match_per_block_sampling(agentic, monkeyp
     kinds = {e[0][1] for e in got[0][2]}
     assert {EventKind.FREED, EventKind.EVICTED, EventKind.LOOKUP} <= kinds
     assert 0 < got[0][1][0]["sampled_lookups"] < sum(len(r.hash_ids) for r in trace.requests) / 2
+
+
+def test_renumbered_ids_keep_the_prefix_structure_and_order(agentic):
+    trace = agentic.head(300)
+    dense = renumber_ids(trace)
+    file_ids = sorted({h for r in trace.requests for h in r.hash_ids})
+    assert dense.source_ids.tolist() == file_ids and file_ids[-1] > len(file_ids)  # the loader namespaces ids
+    for r, d in zip(trace.requests, dense.requests):
+        assert [file_ids[h] for h in d.hash_ids] == list(r.hash_ids)
+        assert d.hash_ids.typecode == "q" and (d.request_id, d.arrival, d.tag) == (r.request_id, r.arrival, r.tag)
+    assert renumber_ids(dense) is dense
+    # Ids already 0 .. n-1 stay as they are (no table to carry).
+    ids = [array("q", [0, 1, 2]), array("q", [0, 1, 3])]
+    flat = Trace("dense", 64, [TraceRequest(f"r{i}", float(i), a, 3 * 64, 1) for i, a in enumerate(ids)], "test")
+    assert renumber_ids(flat) is flat
+
+
+def test_renumbering_ids_changes_no_policy_result(agentic, monkeypatch):
+    """Every policy, ``wa-online`` included (its hash sample goes by the file's
+    ids), gets the same hits, overflow and switches with the replay's dense
+    ids as with the file's."""
+    from vllm_wa.replay import runner
+
+    trace = agentic.head(500)
+    policies = [*POLICIES, "wa-online"]
+    cfg = ReplayConfig(controller_config=ControllerConfig(sample_rate=0.25, shadow_blocks=256))
+    got = []
+    for renumber in (True, False):
+        if not renumber:
+            monkeypatch.setattr(runner, "renumber_ids", lambda t: t)
+        setup = prepare(trace, policies, cfg)
+        assert (setup.trace.source_ids is not None) == renumber
+        sizes = resolve_sizes("5%,20%", setup.trace, setup.eval_start)
+        got.append(
+            [
+                (r.policy, r.cache_blocks, r.hit_tokens, r.overflow, r.extra.get("switches"), r.extra.get("candidates"))
+                for r in sweep(setup, policies, sizes, jobs=1)
+            ]
+        )
+    assert got[0] == got[1]
+    online = [row for row in got[0] if row[0] == "wa-online"]
+    assert online and all(row[5][0]["sampled_lookups"] > 0 for row in online)
 
 
 def test_a_prompt_that_repeats_a_hash_replays_under_every_policy():

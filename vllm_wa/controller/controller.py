@@ -47,7 +47,7 @@ from vllm_wa.controller.shadow import ClassKey, ShadowCache
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures, separates, separation_threshold
 from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
-from vllm_wa.engine_patch.events import EventKind, EventSink, hash_sample_value
+from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.params import ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -87,20 +87,22 @@ def start_online(
     clock: Callable[[], float] = time.monotonic,
     prior: WAParams | None = None,
     publish: bool = True,
+    source_ids: np.ndarray | None = None,
 ) -> WAController:
     """Wire a live queue to a new controller (the engine and the replay share this).
 
     ``install(sink, registry, class_key, conversations)`` puts the
     workload-aware queue in place and returns ``(queue, tagger)``; swaps go
-    to both.  ``publish``: see :class:`WAController`.
+    to both.  ``publish``: see :class:`WAController`.  ``source_ids``: a
+    replay's renumbered trace ids' ids in the file (see ``EventSink``).
     """
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
     chain = sample_rate_for(cache_blocks, config.shadow_blocks) if config.shadow_sampling == "chain" else None
-    sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain)
+    sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain, source_ids=source_ids)
     registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = candidate_key(initial) or FeatureKey(("tag",))
-    conversations = ConversationTracker(max_age_s=config.max_watch_s)
+    conversations = ConversationTracker(max_age_s=config.max_watch_s, key_of=sink.sample_value)
     queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
         prior = WAParams.load(config.seed_params)
@@ -247,7 +249,7 @@ class WAController:
         thr = self._shadow_threshold
         if thr >= 1 << 64:
             return [h for _, h in ev.hashes]
-        return [h for _, h in ev.hashes if hash_sample_value(h) < thr]
+        return self.sink.below([h for _, h in ev.hashes], thr)
 
     @property
     def active(self) -> str:

@@ -24,7 +24,7 @@ after ``max_age_s``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,9 @@ class ConversationTracker:
         capacity: tips kept (two per finished request).
         max_age_s: a tip older than this is dropped (counted as censored).
         max_scan: block hashes probed per lookup, from the prompt's end.
+        key_of: a conversation's 64-bit key from the hash of its first own
+            block (the event sink's ``sample_value``, so that chain sampling
+            picks conversations as the sink picks blocks).
     """
 
     def __init__(
@@ -71,10 +74,12 @@ class ConversationTracker:
         capacity: int = 1 << 16,
         max_age_s: float = 7200.0,
         max_scan: int = 8192,
+        key_of: Callable[[Any], int] = hash_sample_value,
     ) -> None:
         self.capacity = max(2, int(capacity))
         self.max_age_s = float(max_age_s)
         self.max_scan = max(1, int(max_scan))
+        self.key_of = key_of
         self.tips: OrderedDict[Any, _Tip] = OrderedDict()
         self.counters = ConversationCounters()
 
@@ -92,7 +97,7 @@ class ConversationTracker:
         if prev is None:
             self.counters.new_conversations += 1
             start = min(n_hit, n - 1) if n else 0
-            key = hash_sample_value(hashes[start]) if n else 0
+            key = self.key_of(hashes[start]) if n else 0
             return TurnTiming(key, start, 1, None, None)
         self.counters.continuations += 1
         think = max(0.0, now - prev.finished)

@@ -102,21 +102,20 @@ def hash_sample_value(block_hash: Any) -> int:
     return ((hash(block_hash) & _MASK64) * _MIX) & _MASK64
 
 
-def int_sample_values(block_hashes: Sequence[Any], start: int = 0) -> np.ndarray | None:
-    """``hash_sample_value`` of ``block_hashes[start:]`` in one numpy pass, or None.
+def trace_ids(block_hashes: Sequence[Any], start: int = 0) -> np.ndarray | None:
+    """``block_hashes[start:]`` as an int64 array when they are all trace block
+    ids (non-negative integers that hash to themselves), else None.
 
-    Only for trace block ids (integers that hash to themselves), where the
-    value is the id times the mixing constant modulo 2**64; anything else
-    (vLLM's bytes, None, other hashables) returns None, to be hashed one by
-    one.  A replay samples tens of millions of block ids: a call each costs
-    ten times this.
+    vLLM's bytes digests, None and other hashables return None, to be hashed
+    one by one.  A replay samples tens of millions of block ids: a call each
+    costs ten times one numpy pass.
     """
     if start >= len(block_hashes) or type(block_hashes[start]) is not int:
         return None
     ids = np.asarray(block_hashes[start:] if start else block_hashes)
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= _HASH_IS_IDENTITY:
         return None
-    return ids.astype(np.uint64) * _MIX_U64
+    return ids
 
 
 @dataclass
@@ -129,6 +128,11 @@ class EventSink:
     # Share of conversations whose whole chain goes to the miniature caches
     # (None: no chain sampling; they then use the hash-sampled blocks).
     chain_rate: float | None = None
+    # Replays only: the id in the trace file of each trace block id (the
+    # replay renumbers ids densely, see ``replay.trace.renumber_ids``).  A
+    # trace id is sampled by the hash of its file id, so the sample does not
+    # depend on how the replay numbers blocks.
+    source_ids: np.ndarray | None = None
     emitted: int = 0
     dropped: int = 0
     _queue: deque = field(default_factory=deque, repr=False)
@@ -145,13 +149,41 @@ class EventSink:
         if self.chain_rate is not None and not 0.0 < float(self.chain_rate) <= 1.0:
             raise ValueError(f"chain_rate must be in (0, 1], got {self.chain_rate!r}")
         self._chain_threshold = -1 if self.chain_rate is None else int(float(self.chain_rate) * (1 << 64))
+        self._id_values: np.ndarray | None = None
+        if self.source_ids is not None:
+            src = np.asarray(self.source_ids)
+            if src.ndim != 1 or src.dtype.kind not in "iu" or (src.size and src.min() < 0):
+                raise ValueError("source_ids must be a 1-d array of non-negative integer ids")
+            # hash_sample_value of each file id, in one pass.
+            self._id_values = (src % _HASH_IS_IDENTITY).astype(np.uint64) * _MIX_U64
 
     @property
     def samples_all(self) -> bool:
         return self._samples_all
 
+    def sample_value(self, block_hash: Any) -> int:
+        """The 64-bit value a block is sampled by: ``hash_sample_value`` of its
+        hash, or for a renumbered trace id, of its id in the trace file."""
+        values = self._id_values
+        if values is not None and type(block_hash) is int:
+            return int(values[block_hash])
+        return hash_sample_value(block_hash)
+
     def is_sampled(self, block_hash: Any) -> bool:
-        return self._samples_all or hash_sample_value(block_hash) < self._threshold
+        if self._samples_all:
+            return True
+        if self._id_values is None:
+            return hash_sample_value(block_hash) < self._threshold
+        return self.sample_value(block_hash) < self._threshold
+
+    def _trace_id_values(self, hashes: Sequence[Any], start: int = 0) -> np.ndarray | None:
+        """``sample_value`` of ``hashes[start:]`` in one pass when they are trace ids, else None."""
+        ids = trace_ids(hashes, start)
+        if ids is None:
+            return None
+        if self._id_values is not None:
+            return self._id_values[ids]
+        return ids.astype(np.uint64) * _MIX_U64
 
     def sampled_from(self, hashes: Sequence[Any], start: int) -> list[tuple[int, Any]]:
         """``(position, hash)`` of the sampled ``hashes`` from ``start`` on.
@@ -161,16 +193,26 @@ class EventSink:
         """
         if self._samples_all:
             return [(i, hashes[i]) for i in range(start, len(hashes))]
-        values = int_sample_values(hashes, start)
+        values = self._trace_id_values(hashes, start)
         if values is not None:
             return [(start + i, hashes[start + i]) for i in np.flatnonzero(values < self._threshold).tolist()]
-        thr, value = self._threshold, hash_sample_value
+        thr = self._threshold
+        value = hash_sample_value if self._id_values is None else self.sample_value
         return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
+
+    def below(self, hashes: Sequence[Any], threshold: int) -> list[Any]:
+        """The ``hashes`` whose sample value is below ``threshold`` (< 2**64): a
+        nested sample, such as the miniature caches' within the watched one."""
+        values = self._trace_id_values(hashes)
+        if values is not None:
+            return [hashes[i] for i in np.flatnonzero(values < threshold).tolist()]
+        value = hash_sample_value if self._id_values is None else self.sample_value
+        return [h for h in hashes if value(h) < threshold]
 
     def sampled_ids(self, hashes: Sequence[Any]) -> np.ndarray | None:
         """Whether each of ``hashes`` is sampled (a bool array), when they are
         all trace ids (one numpy pass); None otherwise (then ``is_sampled`` each)."""
-        values = None if self._samples_all else int_sample_values(hashes)
+        values = None if self._samples_all else self._trace_id_values(hashes)
         return None if values is None else values < self._threshold
 
     def chain_sampled(self, conversation: int) -> bool:

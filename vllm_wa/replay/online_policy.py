@@ -31,11 +31,14 @@ class OnlineWAPolicy(ReplayPolicy):
 
     config: ControllerConfig = field(default_factory=ControllerConfig)
     controller: WAController | None = None
+    # The trace file's id of each (renumbered) block id; see EventSink.
+    source_ids: Any = None
     _next_refit: float | None = None
 
     @classmethod
     def create(cls, config: ControllerConfig | None, trace: Any = None) -> OnlineWAPolicy:
-        return cls("wa-online", config=config or ControllerConfig())
+        source_ids = getattr(trace, "source_ids", None)
+        return cls("wa-online", config=config or ControllerConfig(), source_ids=source_ids)
 
     def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:
@@ -49,7 +52,9 @@ class OnlineWAPolicy(ReplayPolicy):
                 )
                 return self.queue, self.tagger
 
-            self.controller = start_online(self.config, len(blocks), install, clock, publish=False)
+            self.controller = start_online(
+                self.config, len(blocks), install, clock, publish=False, source_ids=self.source_ids
+            )
             return self.queue
 
         return make
@@ -64,7 +69,9 @@ class OnlineWAPolicy(ReplayPolicy):
             self.queue, self.tagger = h.queue, h.tagger
             return h.queue, h.tagger
 
-        self.controller = start_online(self.config, len(block_pool.blocks), install, clock, publish=False)
+        self.controller = start_online(
+            self.config, len(block_pool.blocks), install, clock, publish=False, source_ids=self.source_ids
+        )
 
     def advance(self, now: float) -> None:
         nxt = self._next_refit

@@ -27,7 +27,7 @@ from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import POLICIES, OptPolicy, PeerPolicy, ReplayPolicy, StaticWAPolicy
 from vllm_wa.replay.profile import profile_trace
 from vllm_wa.replay.progress import REPORT_EVERY, ProgressBoard, RunReporter
-from vllm_wa.replay.trace import Trace
+from vllm_wa.replay.trace import Trace, renumber_ids
 from vllm_wa.sim.clock import SettableClock
 
 
@@ -202,6 +202,9 @@ def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSe
     if unknown:
         raise ValueError(f"unknown policies {unknown}; expected some of {POLICIES}")
     eval_start = trace.eval_start(cfg.profile_fraction)
+    if cfg.engine == "fast":
+        # vLLM's engine hashes token ids made from the file's ids; keep those.
+        trace = renumber_ids(trace)
     if cfg.tag_swap is not None:
         trace = swap_tags(trace, cfg.tag_swap, eval_start)
     setup = SweepSetup(trace, cfg, eval_start)
