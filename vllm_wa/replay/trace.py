@@ -92,13 +92,13 @@ def renumber_ids(trace: Trace) -> Trace:
     """The trace with its block ids renumbered ``0 .. n-1`` in the order of their values.
 
     Every policy reads block ids only by equality (and never by value), so
-    this changes no result; it speeds up every replay.  The agentic loader
-    namespaces each conversation's ids in the high bits
-    (``(conversation + 1) << 40 | id``), so their low bits repeat in every
-    conversation, and a Python dict, which finds an int key's slot by its
-    low bits, probes long collision chains: 350-470 ns a lookup against
-    155-190 ns for dense ids.  The numbering is monotone, so any order among
-    ids is kept.  The file's ids stay in ``source_ids``, by which the
+    this changes no result; it speeds up every replay.  A Python dict finds
+    an int key's slot from the int itself: dense ids put a prompt's
+    consecutive blocks in neighbouring slots, where scattered ids (the
+    agentic loader namespaces each conversation's in the high bits,
+    ``(conversation + 1) << 40 | id``) cost a cache miss a block: 722 ns a
+    lookup against 278 ns in a micro-benchmark with 1.6 M keys.  The
+    numbering is monotone, so any order among ids is kept.  The file's ids stay in ``source_ids``, by which the
     controller hash-samples blocks, so it watches the same blocks.  A trace
     whose ids are already ``0 .. n-1`` (or that was renumbered, or whose ids
     are not int64 arrays) is returned as is.
