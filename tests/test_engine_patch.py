@@ -502,8 +502,8 @@ def test_sink_samples_renumbered_trace_ids_by_their_file_ids(rate: float) -> Non
         assert [i for i, _ in renumbered.sampled_from(dense, start)] == [i for i, _ in plain.sampled_from(file_ids, start)]
     assert renumbered.sampled_ids(dense).tolist() == plain.sampled_ids(file_ids).tolist()
     thr = int(rate / 2 * (1 << 64))
-    assert [file_ids[i] for i in renumbered.below(dense, thr)] == plain.below(file_ids, thr)
-    assert 0 < len(plain.below(file_ids, thr)) < len(plain.sampled_from(file_ids, 0)) < 600
+    assert [file_ids[i] for i in renumbered.subsample(dense, thr)] == plain.subsample(file_ids, thr)
+    assert 0 < len(plain.subsample(file_ids, thr)) < len(plain.sampled_from(file_ids, 0)) < 600
     # Digests and other hashables are sampled as without the table.
     digests = [rng.getrandbits(256).to_bytes(32, "little") for _ in range(50)]
     assert renumbered.sampled_from(digests, 0) == plain.sampled_from(digests, 0)

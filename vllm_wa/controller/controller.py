@@ -249,7 +249,7 @@ class WAController:
         thr = self._shadow_threshold
         if thr >= 1 << 64:
             return [h for _, h in ev.hashes]
-        return self.sink.below([h for _, h in ev.hashes], thr)
+        return self.sink.subsample([h for _, h in ev.hashes], thr)
 
     @property
     def active(self) -> str:

@@ -200,7 +200,7 @@ class EventSink:
         value = hash_sample_value if self._id_values is None else self.sample_value
         return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
 
-    def below(self, hashes: Sequence[Any], threshold: int) -> list[Any]:
+    def subsample(self, hashes: Sequence[Any], threshold: int) -> list[Any]:
         """The ``hashes`` whose sample value is below ``threshold`` (< 2**64): a
         nested sample, such as the miniature caches' within the watched one."""
         values = self._trace_id_values(hashes)
