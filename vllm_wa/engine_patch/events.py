@@ -156,6 +156,8 @@ class EventSink:
                 raise ValueError("source_ids must be a 1-d array of non-negative integer ids")
             # hash_sample_value of each file id, in one pass.
             self._id_values = (src % _HASH_IS_IDENTITY).astype(np.uint64) * _MIX_U64
+        # What the per-hash paths call: the plain hash unless there is a table.
+        self._value_of = hash_sample_value if self._id_values is None else self.sample_value
 
     @property
     def samples_all(self) -> bool:
@@ -170,11 +172,7 @@ class EventSink:
         return hash_sample_value(block_hash)
 
     def is_sampled(self, block_hash: Any) -> bool:
-        if self._samples_all:
-            return True
-        if self._id_values is None:
-            return hash_sample_value(block_hash) < self._threshold
-        return self.sample_value(block_hash) < self._threshold
+        return self._samples_all or self._value_of(block_hash) < self._threshold
 
     def _trace_id_values(self, hashes: Sequence[Any], start: int = 0) -> np.ndarray | None:
         """``sample_value`` of ``hashes[start:]`` in one pass when they are trace ids, else None."""
@@ -196,8 +194,7 @@ class EventSink:
         values = self._trace_id_values(hashes, start)
         if values is not None:
             return [(start + i, hashes[start + i]) for i in np.flatnonzero(values < self._threshold).tolist()]
-        thr = self._threshold
-        value = hash_sample_value if self._id_values is None else self.sample_value
+        thr, value = self._threshold, self._value_of
         return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
 
     def subsample(self, hashes: Sequence[Any], threshold: int) -> list[Any]:
@@ -206,7 +203,7 @@ class EventSink:
         values = self._trace_id_values(hashes)
         if values is not None:
             return [hashes[i] for i in np.flatnonzero(values < threshold).tolist()]
-        value = hash_sample_value if self._id_values is None else self.sample_value
+        value = self._value_of
         return [h for h in hashes if value(h) < threshold]
 
     def sampled_ids(self, hashes: Sequence[Any]) -> np.ndarray | None:

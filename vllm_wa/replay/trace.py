@@ -98,10 +98,11 @@ def renumber_ids(trace: Trace) -> Trace:
     agentic loader namespaces each conversation's in the high bits,
     ``(conversation + 1) << 40 | id``) cost a cache miss a block: 722 ns a
     lookup against 278 ns in a micro-benchmark with 1.6 M keys.  The
-    numbering is monotone, so any order among ids is kept.  The file's ids stay in ``source_ids``, by which the
-    controller hash-samples blocks, so it watches the same blocks.  A trace
-    whose ids are already ``0 .. n-1`` (or that was renumbered, or whose ids
-    are not int64 arrays) is returned as is.
+    numbering is monotone, so any order among ids is kept.  The file's ids
+    stay in ``source_ids``, by which the controller hash-samples blocks, so
+    it watches the same blocks.  A trace whose ids are already ``0 .. n-1``
+    (or that was renumbered, or whose ids are not int64 arrays) is returned
+    as is.
     """
     reqs = trace.requests
     if trace.source_ids is not None or not reqs:
@@ -118,4 +119,6 @@ def renumber_ids(trace: Trace) -> Trace:
         a = array("q")
         a.frombytes(ids.tobytes())
         out.append(replace(r, hash_ids=a))
-    return replace(trace, requests=out, notes=list(trace.notes), source_ids=source)
+    renumbered = trace.with_requests(out)
+    renumbered.source_ids = source
+    return renumbered

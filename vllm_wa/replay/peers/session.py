@@ -275,12 +275,12 @@ class SessionQueue(PeerQueue):
 
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
         hashes, key_of, resident = req.hashes, self.key_of, self.resident
-        setdefault, others = resident.primary.setdefault, resident._others
+        setdefault = resident.primary.setdefault
         for b, key in zip(blocks[n_hit:], hashes[n_hit:]):
             bid = b.block_id
             key_of[bid] = key
-            if setdefault(key, bid) != bid:  # ResidentKeys.add: a second block holding the key
-                others.setdefault(key, []).append(bid)
+            if setdefault(key, bid) != bid:
+                resident.add(key, bid)  # a second block holding the key (rare)
         target = self._merge_target
         self._merge_target = None
         if n_hit == len(blocks):
