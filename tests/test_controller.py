@@ -11,10 +11,13 @@ import pytest
 
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.estimators import ReuseEstimator, fit_model, pooled
+from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, pooled
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.survival import (
+    _C_LIK,
+    _E_LIK,
+    _EM_CHUNK,
     _MIDS,
     SurvivalData,
     fit_exponential,
@@ -285,6 +288,83 @@ def test_refit_publishes_the_state_only_for_readers(publish):
         assert {**c.snapshot, "refit_seconds": None} == {**c.state(), "refit_seconds": None}
     else:
         assert c.snapshot is None
+
+
+def _em_step_by_step(data: SurvivalData, w: np.ndarray, iters: int, tol: float) -> tuple[np.ndarray, int]:
+    """The EM of ``fit_hyperexponential`` written plainly: test after every step."""
+    re, rc = np.flatnonzero(data.events), np.flatnonzero(data.censored)
+    lik = np.vstack((_E_LIK[re], _C_LIK[rc]))
+    share = np.concatenate((data.events[re], data.censored[rc])) / data.n
+    for step in range(1, iters + 1):
+        w_new = w * ((share / np.maximum(lik @ w, 1e-300)) @ lik)
+        if np.abs(w_new - w).max() < tol:
+            return w_new, step
+        w = w_new
+    return w, iters
+
+
+def test_chunked_em_returns_exactly_the_step_by_step_fit():
+    """The fit tests convergence once per chunk of steps; it must return the
+    weights of the first converged step, bit for bit, wherever that step
+    falls in a chunk (and when the step budget runs out first)."""
+    rng = np.random.default_rng(11)
+    data = SurvivalData()
+    for g in rng.exponential(30.0, 500):
+        data.add_event(float(g))
+    for e in rng.uniform(1, 900, 300):
+        data.add_censored(float(e))
+    start = np.full(len(_E_LIK[0]), 1.0 / len(_E_LIK[0]))
+    seen_offsets = set()
+    cases = [(400, tol) for tol in (1e-6, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3)]
+    for iters, tol in [*cases, (1, 1e-6), (_EM_CHUNK, 1e-6), (_EM_CHUNK + 3, 1e-6)]:
+        want_w, want_steps = _em_step_by_step(data, start, iters, tol)
+        if want_steps < iters:
+            seen_offsets.add(want_steps % _EM_CHUNK)
+        model, w = fit_hyperexponential(data, iters=iters, tol=tol, init=start)
+        assert np.array_equal(w, np.maximum(want_w, 1e-12)), (iters, tol)
+        assert model is not None and model.weights[0] == pytest.approx(want_w[0]) or want_w[0] <= 1e-6
+    assert len(seen_offsets) > 2  # converged at several places within a chunk, the budget ran out too
+
+
+def test_survival_bank_pools_and_forgets_rows_exactly_as_one_by_one():
+    """Rows grow past the first capacity (the views move), their own updates
+    land in the bank, and pooling by labels (with extra censored counts) and
+    decaying give the same numbers, bit for bit, as ``pooled`` and ``decay``
+    of separate copies."""
+    rng = np.random.default_rng(3)
+    bank = SurvivalBank(capacity=2)
+    rows, plain = [], []
+    for i in range(9):
+        d = bank.new_row()
+        p = SurvivalData()
+        for g in rng.exponential(20.0, 30 + i):
+            d.add_event(float(g))
+            p.add_event(float(g))
+        for e in rng.uniform(1, 500, 10):
+            d.add_censored(float(e))
+            p.add_censored(float(e))
+        d.groups += 1.5 * i
+        p.groups += 1.5 * i
+        rows.append(d)
+        plain.append(p)
+        if i == 4:
+            bank.decay(0.7)
+            for q in plain:
+                q.decay(0.7)
+    for d, p in zip(rows, plain):
+        assert np.array_equal(d.events, p.events) and np.array_equal(d.censored, p.censored)
+        assert d.groups == p.groups
+    labels = np.array([2, 0, 2, 1, 0, 2, 2, 1, 0], dtype=np.intp)
+    extra_rows = np.array([1, 5, 6])
+    extra = rng.uniform(0, 3, (3, len(_MIDS)))
+    got = bank.pool(labels, 3, (extra_rows, extra))
+    for c in range(3):
+        members = [i for i in range(9) if labels[i] == c]
+        watched = [SurvivalData(np.zeros(len(_MIDS)), extra[j]) for j, r in enumerate(extra_rows) if labels[r] == c]
+        want = pooled((ReuseEstimator(data=plain[i]) for i in members), *watched)
+        assert np.array_equal(got[c].events, want.events), c
+        assert np.array_equal(got[c].censored, want.censored), c
+        assert got[c].groups == want.groups, c
 
 
 def test_candidates_with_one_key_and_family_share_fits_and_get_the_models_of_their_own_fits():

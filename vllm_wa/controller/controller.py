@@ -39,7 +39,7 @@ from vllm_wa.controller.checkpoint import (
     write_checkpoint,
 )
 from vllm_wa.controller.config import FAMILIES, CandidateSpec, ControllerConfig
-from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, pooled
+from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, SurvivalBank, forgetting_factor, pooled
 from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
 from vllm_wa.controller.learned_key import LearnedKey, assign
 from vllm_wa.controller.reuse_tracker import ReuseTracker
@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # union of features (tag x outcome x reuse x think x reply x growth x turn)
 # has up to 1,600 per tag and outcome; past the cap new ones share "other".
 MAX_FINE_CLASSES = 4096
+# Finest classes with blocks still watched, and those blocks' censored counts per bin.
+AtRisk = tuple[np.ndarray, np.ndarray] | None
 
 
 @dataclass
@@ -158,6 +160,11 @@ class WAController:
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
         self.estimators: list[ReuseEstimator] = []
+        # The finest classes' observations, one row each (forgotten and pooled for all at once).
+        self._bank = SurvivalBank()
+        # Per class key: its class names (in order of first finest class) and
+        # each finest class's index among them, extended as classes appear.
+        self._labels: dict[FeatureKey, tuple[list[str], dict[str, int], list[int]]] = {}
         self.tracker = ReuseTracker(
             ghost_capacity=int(config.ghost_factor * sampled_cache),
             watch_capacity=2 * sampled_cache + 1024,
@@ -221,7 +228,9 @@ class WAController:
             self._fine_ids[comps] = fid
             self._fine.append(comps)
             self.estimators.append(
-                ReuseEstimator(self.config.memory_s, self.config.drift_delta, self.config.drift_forget)
+                ReuseEstimator(
+                    self.config.memory_s, self.config.drift_delta, self.config.drift_forget, self._bank.new_row()
+                )
             )
         return fid
 
@@ -295,9 +304,10 @@ class WAController:
 
     def _refit(self, now: float) -> None:
         self.process(self.sink.drain())
-        if self._last_forget is not None:
-            for est in self.estimators:
-                est.forget(now - self._last_forget)
+        if self._last_forget is not None and self.estimators:
+            factor = forgetting_factor(now - self._last_forget, self.config.memory_s)
+            if factor < 1.0:
+                self._bank.decay(factor)
         self._last_forget = now
         self.tracker.expire(now)
         for cand in self.candidates.values():
@@ -309,7 +319,7 @@ class WAController:
             at_risk = self._at_risk(now)
             by_key: dict[FeatureKey, dict[str, SurvivalData]] = {}
             # Every key partitions the same finest classes: one pooled default.
-            total = pooled(self.estimators, *at_risk.values())
+            (total,) = self._bank.pool(np.zeros(len(self._bank), dtype=np.intp), 1, at_risk)
             defaults = {
                 family: fit.get(total) if total.n_events >= self.config.min_samples else None
                 for family, fit in self._default_fits.items()
@@ -336,29 +346,43 @@ class WAController:
             self._last_checkpoint = now
             self.save_checkpoint(self.config.checkpoint_path)
 
-    def _at_risk(self, now: float) -> dict[int, SurvivalData]:
-        """Blocks still watched, as censored observations at their current exposure."""
-        n = len(self.tracker)
-        if not n:
-            return {}
+    def _at_risk(self, now: float) -> AtRisk:
+        """Blocks still watched, as censored observations at their current
+        exposure: the finest classes that have some, and their binned counts."""
+        if not len(self.tracker):
+            return None
         arr = self.tracker.at_risk_array(now)
         fids = arr[:, 0].astype(np.int64)
         bins = bin_exposures(arr[:, 1])
         counts = np.zeros((len(self._fine), NUM_BINS))
         np.add.at(counts, (fids, bins), 1.0)
-        return {int(f): SurvivalData(np.zeros(NUM_BINS), counts[f]) for f in np.flatnonzero(counts.sum(axis=1))}
+        rows = np.flatnonzero(counts.sum(axis=1))
+        return rows, counts[rows]
 
-    def _class_data(self, key: ClassKey, at_risk: dict[int, SurvivalData]) -> dict[str, SurvivalData]:
-        """The observations of each class of ``key``: its finest classes pooled."""
-        members: dict[str, list[int]] = {}
-        for fid, comps in enumerate(self._fine):
-            members.setdefault(key.name_of(comps), []).append(fid)
-        return {
-            name: pooled((self.estimators[f] for f in fids), *(at_risk[f] for f in fids if f in at_risk))
-            for name, fids in members.items()
-        }
+    def _key_labels(self, key: ClassKey) -> tuple[list[str], np.ndarray]:
+        """``key``'s class names, in order of their first finest class, and
+        each finest class's index among them (kept for the candidates' fixed
+        keys, which see every fit; a learned key's table changes)."""
+        if isinstance(key, FeatureKey):
+            names, index, labels = self._labels.setdefault(key, ([], {}, []))
+        else:
+            names, index, labels = [], {}, []
+        for comps in self._fine[len(labels):]:
+            name = key.name_of(comps)
+            i = index.get(name)
+            if i is None:
+                i = index[name] = len(names)
+                names.append(name)
+            labels.append(i)
+        return names, np.array(labels, dtype=np.intp)
 
-    def _learn_key(self, cand: Candidate, at_risk: dict[int, SurvivalData]) -> dict[str, SurvivalData]:
+    def _class_data(self, key: ClassKey, at_risk: AtRisk) -> dict[str, SurvivalData]:
+        """The observations of each class of ``key``: its finest classes pooled,
+        then the blocks they still watch."""
+        names, labels = self._key_labels(key)
+        return dict(zip(names, self._bank.pool(labels, len(names), at_risk)))
+
+    def _learn_key(self, cand: Candidate, at_risk: AtRisk) -> dict[str, SurvivalData]:
         """Re-learn a learned key's table; returns its classes' observations."""
         key = cand.key
         assert isinstance(key, LearnedKey)
@@ -375,7 +399,7 @@ class WAController:
     def _fit_candidate(
         self,
         cand: Candidate,
-        at_risk: dict[int, SurvivalData],
+        at_risk: AtRisk,
         by_key: dict[FeatureKey, dict[str, SurvivalData]],
         default: ReuseModel | None,
     ) -> WAParams:
@@ -488,7 +512,7 @@ class WAController:
         cand = self.candidates[self.active]
         key = cand.key or FeatureKey(("tag",))
         out: dict[str, dict[str, Any]] = {}
-        for name, d in sorted(self._class_data(key, {}).items()):
+        for name, d in sorted(self._class_data(key, None).items()):
             m = self.params.models.get(name) if self.params else None
             out[name] = {
                 "reuse_probability": m.p if m is not None else None,
@@ -588,8 +612,10 @@ class WAController:
         if ckpt is None:
             return False
         for comps, d in ckpt.classes:
-            fid = self._fine_id(comps)
-            self.estimators[fid].data = d
+            row = self.estimators[self._fine_id(comps)].data
+            row.events[:] = d.events
+            row.censored[:] = d.censored
+            row.groups = d.groups
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it.
         self.params = ckpt.params

@@ -21,6 +21,7 @@ import numpy as np
 from river import drift
 
 from vllm_wa.controller.survival import (
+    NUM_BINS,
     SurvivalData,
     fit_exponential,
     fit_hyperexponential,
@@ -34,6 +35,12 @@ def _seconds(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
     return float(value)
+
+
+def forgetting_factor(elapsed_s: float, memory_s: float) -> float:
+    """What ``elapsed_s`` seconds leave of observations kept for ``memory_s``."""
+    elapsed_s = _seconds("elapsed_s", elapsed_s)
+    return math.exp(-elapsed_s / memory_s) if elapsed_s > 0 else 1.0
 
 
 @dataclass
@@ -94,13 +101,73 @@ class ReuseEstimator:
 
     def forget(self, elapsed_s: float) -> None:
         """Age the statistics by ``elapsed_s`` seconds of the configured memory."""
-        elapsed_s = _seconds("elapsed_s", elapsed_s)
-        if elapsed_s > 0:
-            self.data.decay(math.exp(-elapsed_s / self.memory_s))
+        factor = forgetting_factor(elapsed_s, self.memory_s)
+        if factor < 1.0:
+            self.data.decay(factor)
 
     def get(self, family: str = "hyperexponential") -> ReuseModel | None:
         """The class's reuse model (None before any reuse was seen)."""
         return ModelFit(family).get(self.data)
+
+
+class SurvivalBank:
+    """The observations of many classes as rows of one matrix.
+
+    A controller keeps one class per combination of feature buckets (hundreds
+    to thousands); forgetting them and pooling them by a key's classes at
+    every fit would cost a few numpy calls per class.  Each class's
+    :class:`SurvivalData` is a view of its row, so its own updates stay as
+    they were, and :meth:`decay` and :meth:`pool` are a few calls for all
+    rows, with the same arithmetic, in the same order, as per class.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._counts = np.zeros((max(1, capacity), 2, NUM_BINS))
+        self.rows: list[SurvivalData] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def new_row(self) -> SurvivalData:
+        """A new, empty class; its data is a view of the bank's next row."""
+        i = len(self.rows)
+        if i == len(self._counts):
+            # Full: double, and point every class's views at its new row.
+            grown = np.zeros((2 * i, 2, NUM_BINS))
+            grown[:i] = self._counts
+            self._counts = grown
+            for j, d in enumerate(self.rows):
+                d.events, d.censored = grown[j, 0], grown[j, 1]
+        d = SurvivalData(self._counts[i, 0], self._counts[i, 1])
+        self.rows.append(d)
+        return d
+
+    def decay(self, factor: float) -> None:
+        """``SurvivalData.decay(factor)`` of every row."""
+        self._counts[: len(self.rows)] *= factor
+        for d in self.rows:
+            d.groups *= factor
+
+    def pool(
+        self, labels: np.ndarray, num_classes: int, extra: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> list[SurvivalData]:
+        """Row ``i`` pooled into class ``labels[i]``, as :func:`pooled` sums it.
+
+        ``extra`` = ``(rows, censored)``: further censored counts of some rows
+        (blocks still watched), added to their rows' classes after every
+        row, in the given order.  ``np.add.at`` adds in index order, so each
+        class's sums are those of adding its rows one by one.
+        """
+        n = len(self.rows)
+        events = np.zeros((num_classes, NUM_BINS))
+        censored = np.zeros((num_classes, NUM_BINS))
+        groups = np.zeros(num_classes)
+        np.add.at(events, labels, self._counts[:n, 0])
+        np.add.at(censored, labels, self._counts[:n, 1])
+        np.add.at(groups, labels, [d.groups for d in self.rows])
+        if extra is not None and len(extra[0]):
+            np.add.at(censored, labels[extra[0]], extra[1])
+        return [SurvivalData(events[i], censored[i], float(groups[i])) for i in range(num_classes)]
 
 
 def pooled(estimators: Iterable[ReuseEstimator], *extra: SurvivalData) -> SurvivalData:
