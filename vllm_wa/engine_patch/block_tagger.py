@@ -427,7 +427,8 @@ class BlockTagger:
             mask = sink.sampled_ids([b._block_hash for b in blocks])
             if mask is not None:
                 # Trace ids: every flag at once, then only the sampled blocks.
-                np.frombuffer(sampled, dtype=np.uint8)[list(map(_block_id, blocks))] = mask
+                ids = np.fromiter(map(_block_id, blocks), dtype=np.intp, count=len(blocks))
+                np.frombuffer(sampled, dtype=np.uint8)[ids] = mask
                 for pos in np.flatnonzero(mask).tolist():
                     b = blocks[pos]
                     if b.ref_cnt == 1:
