@@ -6,9 +6,10 @@ seconds is ``update(gap)``; one we stopped watching after ``exposure``
 seconds without a reuse is ``censor(exposure)``.  A river ``ADWIN`` detector
 watches the log reuse gaps; when it fires, the class's memory is shortened,
 so a shift in traffic is forgotten in minutes instead of the configured
-memory.  :func:`pooled` sums classes for a coarser key, and :class:`ModelFit`
-fits a pooled class's reuse model, warm-started, and only when its data
-moved.
+memory.  :func:`pooled` sums classes for a coarser key; a controller keeps
+its classes' data as rows of a :class:`SurvivalBank`, which forgets and pools
+them all at once.  :class:`ModelFit` fits a pooled class's reuse model,
+warm-started, and only when its data moved.
 """
 
 from __future__ import annotations
