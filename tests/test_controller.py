@@ -11,7 +11,7 @@ import pytest
 
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, pooled
+from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, forgetting_factor, pooled
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.survival import (
@@ -48,7 +48,7 @@ def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, gh
     the naive data (only hits on resident blocks), and the eviction share.
     """
     rng = random.Random(seed)
-    est = ReuseEstimator(memory_s=1e12, drift_forget=1.0)  # a stationary stream: no forgetting
+    est = ReuseEstimator(drift_forget=1.0)  # a stationary stream: no forgetting
     tracker = ReuseTracker(
         ghost_capacity=ghost_capacity, watch_capacity=10 * n, max_watch_s=1e9,
         on_reuse=lambda k, gaps, t: est.update_many(gaps), on_censored=lambda k, e: est.censor(e),
@@ -178,7 +178,7 @@ def test_hyperexponential_fit_is_a_maximum_of_the_censored_likelihood():
 
 
 def test_drift_detector_shortens_memory():
-    est = ReuseEstimator(memory_s=1e9, drift_delta=0.002, drift_forget=0.25)
+    est = ReuseEstimator(drift_delta=0.002, drift_forget=0.25)
     rng = random.Random(1)
     for _ in range(3000):
         est.update(rng.expovariate(1 / 5))
@@ -201,7 +201,7 @@ def test_blocks_of_one_lookup_are_one_drift_observation():
     keeps everything, and a real shift is still detected.
     """
     rng = random.Random(0)
-    batched, per_block = ReuseEstimator(memory_s=1e9), ReuseEstimator(memory_s=1e9)
+    batched, per_block = ReuseEstimator(), ReuseEstimator()
     total = 0
     for _ in range(400):
         gap, n = rng.expovariate(1 / 30), rng.randint(50, 300)
@@ -211,7 +211,7 @@ def test_blocks_of_one_lookup_are_one_drift_observation():
             per_block.update(gap)
     assert batched.drifts == 0 and batched.data.n_events == pytest.approx(total)
     assert per_block.drifts > 10 and per_block.data.n_events < total / 10
-    shifted = ReuseEstimator(memory_s=1e9)
+    shifted = ReuseEstimator()
     fired = [shifted.update_many([rng.expovariate(1 / (5 if i < 400 else 500))] * 100) for i in range(800)]
     assert not any(fired[:400]) and any(fired[400:])
 
@@ -600,7 +600,11 @@ def test_estimator_is_river_style_validates_and_its_example_runs():
             est.update(bad)
         with pytest.raises(ValueError):
             est.censor(bad)
+        with pytest.raises(ValueError):
+            forgetting_factor(bad, 600.0)
     assert est.data.n == 0
+    assert forgetting_factor(600.0, 600.0) == pytest.approx(math.exp(-1.0))
+    assert forgetting_factor(0.0, 600.0) == 1.0
 
 
 def test_model_fit_refits_only_when_the_data_moved():

@@ -228,9 +228,7 @@ class WAController:
             self._fine_ids[comps] = fid
             self._fine.append(comps)
             self.estimators.append(
-                ReuseEstimator(
-                    self.config.memory_s, self.config.drift_delta, self.config.drift_forget, self._bank.new_row()
-                )
+                ReuseEstimator(self.config.drift_delta, self.config.drift_forget, self._bank.new_row())
             )
         return fid
 

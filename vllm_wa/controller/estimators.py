@@ -46,9 +46,13 @@ def forgetting_factor(elapsed_s: float, memory_s: float) -> float:
 
 @dataclass
 class ReuseEstimator:
-    """Censored reuse statistics of one class, with forgetting and drift detection.
+    """Censored reuse statistics of one class, with drift detection.
 
-    >>> est = ReuseEstimator(memory_s=600.0)
+    Aging the statistics with time is the owner's: a controller forgets all
+    its classes at once (:meth:`SurvivalBank.decay` by
+    :func:`forgetting_factor`); a drift cuts one class's memory here.
+
+    >>> est = ReuseEstimator()
     >>> for gap in (2.0, 3.0, 5.0, 4.0):
     ...     _ = est.update(gap)
     >>> est.censor(900.0)
@@ -57,7 +61,6 @@ class ReuseEstimator:
     (0.8, True)
     """
 
-    memory_s: float = 1800.0
     drift_delta: float = 0.002
     drift_forget: float = 0.25
     data: SurvivalData = field(default_factory=SurvivalData)
@@ -99,12 +102,6 @@ class ReuseEstimator:
     def censor(self, exposure: float) -> None:
         """No reuse within ``exposure`` seconds, and no longer watched."""
         self.data.add_censored(_seconds("exposure", exposure))
-
-    def forget(self, elapsed_s: float) -> None:
-        """Age the statistics by ``elapsed_s`` seconds of the configured memory."""
-        factor = forgetting_factor(elapsed_s, self.memory_s)
-        if factor < 1.0:
-            self.data.decay(factor)
 
     def get(self, family: str = "hyperexponential") -> ReuseModel | None:
         """The class's reuse model (None before any reuse was seen)."""
