@@ -352,20 +352,97 @@ def test_lookup_stamps_order_releases_by_when_their_requests_started():
     assert ids(q.get_all_free_blocks())[-2:] == ids(late)
 
 
-def test_lookup_stamped_release_scans_a_bounded_stretch(monkeypatch):
-    from vllm_wa.engine_patch import free_queue
-
-    monkeypatch.setattr(free_queue, "MAX_INSERT_SCAN", 2)
-    q, clock, got = _lookup_stamped_queue(5)
-    clock.t = 50.0
-    for i, b in enumerate(got[:4]):
+def test_lookup_stamped_release_goes_where_its_stamp_sorts_past_any_number_of_later_ones():
+    # 5,000 blocks released by requests that started later than the last one:
+    # it goes before all of them, with its own stamp (no scan limit).
+    q, clock, got = _lookup_stamped_queue(5001)
+    clock.t = 10_000.0
+    for i, b in enumerate(got[:5000]):
         q.lookup_time[b.block_id] = float(i + 1)
         q.append_n([b])
-    q.lookup_time[got[4].block_id] = 0.0  # older than all four, but only two are scanned
-    q.append_n([got[4]])
+    q.lookup_time[got[5000].block_id] = 0.5
+    q.append_n([got[5000]])
     q.check_invariants()
-    assert ids(q.get_all_free_blocks()) == ids([got[0], got[1], got[4], got[2], got[3]])
-    assert q.stamp[got[4].block_id] == 2.0
+    order = q.get_all_free_blocks()
+    assert order[0] is got[5000] and ids(order[1:]) == ids(got[:5000])
+    assert q.stamp[got[5000].block_id] == 0.5
+
+
+def _class_lists(q: WorkloadAwareFreeQueue, cids: list[int]) -> dict[int, list[int]]:
+    out = {}
+    for c in cids:
+        b, tail, got = q._heads[c].next_free_block, q._tails[c], []
+        while b is not tail:
+            got.append(b.block_id)
+            b = b.next_free_block
+        out[c] = got
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lookup_stamped_lists_match_a_sorted_model_through_hits_evictions_refiles_and_swaps(seed):
+    """Every class list is its blocks sorted by (stamp, arrival), whatever happened in between."""
+    rng = random.Random(seed)
+    reg, cids = _registry(3)
+    clock = SettableClock()
+    n = 120
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    lookup, free = WAParams(stamp="lookup"), WAParams()
+    q = WorkloadAwareFreeQueue(blocks, lookup, clock=clock, registry=reg)
+    held = q.popleft_n(n)
+    for b in held:
+        b._block_hash = b.block_id
+    model: dict[int, list[tuple[float, int, int]]] = {c: [] for c in cids}
+    seq = 0
+
+    def add(bs):
+        nonlocal seq
+        for b in bs:
+            seq += 1
+            model[q.block_class[b.block_id]].append((q.stamp[b.block_id], seq, b.block_id))
+
+    def drop(bids):
+        gone = set(bids)
+        for c in cids:
+            model[c] = [e for e in model[c] if e[2] not in gone]
+
+    for _ in range(600):
+        clock.advance(rng.uniform(0.0, 2.0))
+        op = rng.random()
+        if op < 0.45 and held:  # a release: one request's blocks, tail first, one start time
+            k = rng.randint(1, min(12, len(held)))
+            run = [held.pop(rng.randrange(len(held))) for _ in range(k)]
+            start = clock.t - rng.choice([0.0, rng.uniform(0.0, 40.0)])
+            for b in run:
+                q.block_class[b.block_id] = rng.choice(cids)
+                q.lookup_time[b.block_id] = max(q.lookup_time[b.block_id], start)
+            q.append_n(run)
+            add(run)
+        elif op < 0.65 and q.num_free_blocks:  # prefix hits on free blocks
+            free_now = [b for b in blocks if b.next_free_block is not None]
+            for b in rng.sample(free_now, rng.randint(1, min(5, len(free_now)))):
+                q.remove(b)
+                drop([b.block_id])
+                held.append(b)
+        elif op < 0.85 and q.num_free_blocks:  # evictions
+            taken = q.popleft_n(rng.randint(1, min(8, q.num_free_blocks)))
+            drop(ids(taken))
+            held.extend(taken)
+        elif op < 0.95 and q.num_free_blocks:  # a late outcome moves free blocks
+            free_now = [b for b in blocks if b.next_free_block is not None]
+            moving = rng.sample(free_now, rng.randint(1, min(4, len(free_now))))
+            target = rng.choice(cids)
+            for b in moving:  # refile keeps the stamp; the block goes after its equals
+                if q.block_class[b.block_id] != target:
+                    drop([b.block_id])
+                    seq += 1
+                    model[target].append((q.stamp[b.block_id], seq, b.block_id))
+            q.refile(moving, target)
+        else:  # the tuner swaps stamping
+            q.set_params(free if q.stamp_at_lookup else lookup)
+        q.check_invariants()
+        expect = {c: [e[2] for e in sorted(model[c])] for c in cids}
+        assert _class_lists(q, cids) == expect
 
 
 def test_iter_blocks_after_follows_eviction_order():

@@ -14,12 +14,19 @@ derived once from the runner-up's score.
 
 Per-block state (class, free stamp, sampling flag) lives in arrays indexed by
 ``block_id`` because ``KVCacheBlock`` has ``__slots__``.
+
+A lookup-stamped release goes where its stamp sorts in its class list, which
+may be far from the tail (requests that started later finished first). Each
+class keeps its distinct stamps sorted, with the first block of each stamp's
+group, so the place is found by bisection, exactly, in a time that does not
+grow with the list (``_StampGroups``).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,9 +38,19 @@ from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
 Clock = Callable[[], float]
 _INF = math.inf
-# Blocks a lookup-stamped release scans past to find its place (see
-# WorkloadAwareFreeQueue._insert_by_lookup).
-MAX_INSERT_SCAN = 4096
+
+
+@dataclass
+class _StampGroups:
+    """One class list's stamps: each distinct stamp and the first block holding it.
+
+    A list is in stamp order, so blocks of one stamp follow each other; a
+    block stamped ``s`` belongs right before the first block of the next
+    larger stamp (or at the tail), found by bisecting ``keys``.
+    """
+
+    keys: list[float] = field(default_factory=list)  # sorted, distinct
+    first: dict[float, KVCacheBlock] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,6 +173,13 @@ class WorkloadAwareFreeQueue:
         self._sel_class = -1
         self._sel_below = -_INF
 
+        # Stamp groups of every class list (see _StampGroups), kept while
+        # ``_grouped``; releases stamped at the release append at the tails
+        # without them, and the next lookup-stamped release rebuilds them.
+        self._groups = [_StampGroups() for _ in range(cap)]
+        self._is_first = bytearray(n_ids)  # block heads its stamp's group
+        self._grouped = True
+
         # Like vLLM: the given blocks start free, in the given order.  Blocks
         # without a hash go to the evict-first list; blocks that already hold
         # a hash (installing into a live pool) join their class.
@@ -227,6 +251,7 @@ class WorkloadAwareFreeQueue:
         if self.stamp_at_lookup:
             self._insert_by_lookup(blocks)
             return
+        self._grouped = False
         stamp_of = self.stamp
         cls_of = self.block_class
         tails = self._tails
@@ -269,13 +294,12 @@ class WorkloadAwareFreeQueue:
     def _insert_by_lookup(self, blocks: list[KVCacheBlock]) -> None:
         """Free blocks stamped with their lookup time, each where that stamp sorts.
 
-        The place is found by scanning the class list back from its tail
-        past blocks stamped later (released by requests that started later
-        but finished first); past ``MAX_INSERT_SCAN`` of them the block goes
-        there with the stamp of its predecessor, so lists stay in stamp
-        order and a release never costs more than that scan per run.
-        Blocks of one run (one request, one class) follow each other.
+        A run (one request, one class, one stamp) goes after every block of
+        its class stamped the same or earlier, found by bisecting the class's
+        stamp groups; its blocks follow each other.
         """
+        if not self._grouped:
+            self._rebuild_groups()
         stamp_of, cls_of, start_of = self.stamp, self.block_class, self.lookup_time
         heads = self._heads
         freed = self.counters.freed
@@ -288,9 +312,8 @@ class WorkloadAwareFreeQueue:
             raw = min(start_of[bid], now)
             if c == prev_c and raw == prev_s and prev_b is not None:
                 prev, after = prev_b, prev_b.next_free_block
-                s = stamp_of[prev_b.block_id]
             else:
-                prev, after, s = self._insertion_point(c, raw, MAX_INSERT_SCAN)
+                prev, after = self._group_slot(c, raw, b)
                 if prev is heads[c]:
                     self._sel_dirty = True  # a new head: the cached selection is stale
                 prev_c, prev_s = c, raw
@@ -298,34 +321,98 @@ class WorkloadAwareFreeQueue:
             b.next_free_block = after
             prev.next_free_block = b
             after.prev_free_block = b
-            stamp_of[bid] = s
+            stamp_of[bid] = raw
             freed[c] += 1
             prev_b = b
         self.num_free_blocks += len(blocks)
 
-    def _insertion_point(
-        self, c: int, s: float, max_scan: int | None = None
-    ) -> tuple[KVCacheBlock, KVCacheBlock, float]:
-        """Where a block stamped ``s`` goes in list ``c``: ``(prev, after, stamp)``.
+    def _group_slot(self, c: int, s: float, b: KVCacheBlock) -> tuple[KVCacheBlock, KVCacheBlock]:
+        """Where ``b``, stamped ``s``, goes in list ``c``: ``(prev, after)``.
 
-        Found by scanning back from the list's tail past blocks stamped
-        later.  Past ``max_scan`` of them (None: no limit) the scan stops and
-        the block takes its predecessor's stamp, so the list stays in order.
+        After every block stamped ``s`` or earlier. ``b`` heads a new group
+        when no block of the list has its stamp.
         """
+        g = self._groups[c]
+        keys = g.keys
+        tail = self._tails[c]
+        if self._heads[c].next_free_block is tail:
+            self._went_live(c)
+        i = bisect_right(keys, s)
+        after = g.first[keys[i]] if i < len(keys) else tail
+        if not (i and keys[i - 1] == s):
+            keys.insert(i, s)
+            g.first[s] = b
+            self._is_first[b.block_id] = 1
+        return after.prev_free_block, after
+
+    def _ungroup(self, b: KVCacheBlock, c: int) -> None:
+        """``b``, still linked in list ``c``, is leaving it: its group loses it."""
+        bid = b.block_id
+        self._is_first[bid] = 0
+        s = self.stamp[bid]
+        g = self._groups[c]
+        nxt = b.next_free_block
+        if nxt.block_id >= 0 and self.stamp[nxt.block_id] == s:
+            g.first[s] = nxt
+            self._is_first[nxt.block_id] = 1
+        else:
+            del g.first[s]
+            del g.keys[bisect_left(g.keys, s)]
+
+    def _ungroup_popped(self, c: int, head: KVCacheBlock) -> None:
+        """Blocks before ``head`` (a block or the tail) were taken off list ``c``'s front."""
+        g = self._groups[c]
+        is_first = self._is_first
+        if head.block_id < 0:
+            for blk in g.first.values():
+                is_first[blk.block_id] = 0
+            g.keys.clear()
+            g.first.clear()
+            return
+        s = self.stamp[head.block_id]
+        j = bisect_left(g.keys, s)
+        for k in g.keys[:j]:
+            is_first[g.first.pop(k).block_id] = 0
+        del g.keys[:j]
+        old = g.first[s]
+        if old is not head:
+            is_first[old.block_id] = 0
+            g.first[s] = head
+            is_first[head.block_id] = 1
+
+    def _rebuild_groups(self) -> None:
+        """Stamp groups from the lists (after releases stamped at the release)."""
+        is_first = self._is_first = bytearray(len(self._is_first))
+        stamp_of = self.stamp
+        self._groups = [_StampGroups() for _ in range(self.num_classes_cap)]
+        for c in self._live:
+            g = self._groups[c]
+            b, tail = self._heads[c].next_free_block, self._tails[c]
+            last = None
+            while b is not tail:
+                s = stamp_of[b.block_id]
+                if s != last:
+                    g.keys.append(s)
+                    g.first[s] = b
+                    is_first[b.block_id] = 1
+                    last = s
+                b = b.next_free_block
+        self._grouped = True
+
+    def _insertion_point(self, c: int, s: float) -> tuple[KVCacheBlock, KVCacheBlock]:
+        """Where a block stamped ``s`` goes in list ``c``: ``(prev, after)``, found
+        by scanning back from the list's tail past blocks stamped later (for
+        lists whose stamp groups are not kept)."""
         stamp_of = self.stamp
         head = self._heads[c]
         after = self._tails[c]
         prev = after.prev_free_block
         if prev is head:
             self._went_live(c)
-        scan = 0
         while prev is not head and stamp_of[prev.block_id] > s:
-            if scan == max_scan:
-                return prev, after, stamp_of[prev.block_id]
             after = prev
             prev = prev.prev_free_block
-            scan += 1
-        return prev, after, s
+        return prev, after
 
     def _went_live(self, c: int) -> None:
         """List ``c`` was empty and gets a head: the cached selection is stale."""
@@ -347,6 +434,8 @@ class WorkloadAwareFreeQueue:
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
             raise RuntimeError(f"remove() called on an invalid block: {block}")
+        if self._grouped and self._is_first[block.block_id]:
+            self._ungroup(block, self.block_class[block.block_id])
         prev_block.next_free_block = next_block
         next_block.prev_free_block = prev_block
         block.prev_free_block = block.next_free_block = None
@@ -418,6 +507,8 @@ class WorkloadAwareFreeQueue:
             head.next_free_block = b
             b.prev_free_block = head
             k = len(out) - start
+            if k and self._grouped:
+                self._ungroup_popped(c, b)
             self.counters.evicted[c] += k
             if b is tail or not k:
                 self._sel_dirty = True
@@ -536,9 +627,14 @@ class WorkloadAwareFreeQueue:
             old = cls_of[bid]
             if old == new_class or self._in_nohash_list(b):
                 continue
+            if self._grouped and self._is_first[bid]:
+                self._ungroup(b, old)
             b.prev_free_block.next_free_block = b.next_free_block
             b.next_free_block.prev_free_block = b.prev_free_block
-            prev, after, _ = self._insertion_point(new_class, stamp_of[bid])
+            if self._grouped:
+                prev, after = self._group_slot(new_class, stamp_of[bid], b)
+            else:
+                prev, after = self._insertion_point(new_class, stamp_of[bid])
             b.prev_free_block = prev
             b.next_free_block = after
             prev.next_free_block = b
@@ -590,6 +686,7 @@ class WorkloadAwareFreeQueue:
             return 0
         head_s.next_free_block = tail_s
         tail_s.prev_free_block = head_s
+        self._grouped = False  # rebuilt by the next lookup-stamped release
         stamp_of, cls_of = self.stamp, self.block_class
         cur, tail = self._heads[dst], self._tails[dst]
         if cur.next_free_block is tail:
@@ -640,5 +737,26 @@ class WorkloadAwareFreeQueue:
                 prev, b, n = b, b.next_free_block, n + 1
             assert tail.prev_free_block is prev
             assert n == 0 or c == self._nohash or self._is_live[c], f"list {c} not marked live"
+            if self._grouped and c != self._nohash:
+                self._check_groups(c)
             total += n
         assert total == self.num_free_blocks, f"{total} linked != {self.num_free_blocks} counted"
+        if self._grouped:
+            firsts = {blk.block_id for g in self._groups for blk in g.first.values()}
+            flagged = {i for i, f in enumerate(self._is_first) if f}
+            assert firsts == flagged, "group-first flags differ from the groups"
+
+    def _check_groups(self, c: int) -> None:
+        """List ``c``'s stamp groups are its distinct stamps, each with its first block."""
+        keys: list[float] = []
+        first: dict[float, KVCacheBlock] = {}
+        b, tail = self._heads[c].next_free_block, self._tails[c]
+        while b is not tail:
+            s = self.stamp[b.block_id]
+            if not keys or keys[-1] != s:
+                keys.append(s)
+                first[s] = b
+            b = b.next_free_block
+        g = self._groups[c]
+        assert g.keys == keys, f"list {c}: stamp groups {g.keys} != {keys}"
+        assert all(g.first[k] is first[k] for k in keys), f"list {c}: a group's first block is wrong"
