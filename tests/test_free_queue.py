@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import threading
@@ -484,3 +485,34 @@ def test_counters_track_free_and_evicted_per_class():
     q.popleft_n(5)
     assert q.counters.evicted[a] == 4 and q.counters.evicted[b] == 1
     assert math.isclose(sum(q.counters.evicted), 5)
+
+
+def test_sorted_stamps_match_a_sorted_list_across_bucket_splits():
+    from vllm_wa.engine_patch.free_queue import _SortedStamps
+
+    rng = random.Random(3)
+    ref: list[float] = []
+    st = _SortedStamps()
+    for step in range(20_000):
+        op = rng.random()
+        if op < 0.7:
+            s = float(rng.randrange(100_000))
+            if s not in ref:
+                st.add(s)
+                ref.insert(bisect.bisect_left(ref, s), s)
+        elif op < 0.95 and ref:
+            s = rng.choice(ref)
+            st.remove(s)
+            ref.remove(s)
+        else:  # evictions take the oldest stamps, usually a few
+            s = ref[min(len(ref) - 1, rng.randrange(8))] if ref else 0.0
+            cut = bisect.bisect_left(ref, s)
+            assert st.pop_below(s) == ref[:cut]
+            del ref[:cut]
+        probe = float(rng.randrange(-1, 100_001))
+        i = bisect.bisect_right(ref, probe)
+        assert st.next_above(probe) == (ref[i] if i < len(ref) else None)
+        if step % 500 == 0:
+            assert list(st) == ref
+    assert list(st) == ref and len(ref) > 2_500  # buckets split many times
+    assert list(_SortedStamps(ref)) == ref

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -40,16 +40,99 @@ Clock = Callable[[], float]
 _INF = math.inf
 
 
+# Stamps per bucket of a _SortedStamps (a bucket splits past twice this).
+_STAMPS_PER_BUCKET = 512
+
+
+class _SortedStamps:
+    """Distinct floats, sorted, in buckets of at most ``2 * _STAMPS_PER_BUCKET``.
+
+    A list of buckets (as ``sortedcontainers.SortedList`` keeps them): adding,
+    removing and finding the next larger stamp move at most a bucket and the
+    bucket index, however many stamps there are (a short-request workload
+    leaves one per request in a large cache).
+    """
+
+    __slots__ = ("_buckets", "_maxes")
+
+    def __init__(self, ordered: list[float] | None = None) -> None:
+        """``ordered``: stamps already sorted and distinct."""
+        k = _STAMPS_PER_BUCKET
+        self._buckets = [ordered[i : i + k] for i in range(0, len(ordered), k)] if ordered else []
+        self._maxes = [b[-1] for b in self._buckets]
+
+    def __iter__(self) -> Iterator[float]:
+        for b in self._buckets:
+            yield from b
+
+    def next_above(self, s: float) -> float | None:
+        """The smallest stamp larger than ``s`` (None: none is)."""
+        i = bisect_right(self._maxes, s)
+        if i == len(self._maxes):
+            return None
+        b = self._buckets[i]
+        return b[bisect_right(b, s)]
+
+    def add(self, s: float) -> None:
+        """Add ``s`` (not present)."""
+        maxes, buckets = self._maxes, self._buckets
+        if not maxes:
+            buckets.append([s])
+            maxes.append(s)
+            return
+        i = bisect_left(maxes, s)
+        if i == len(maxes):
+            i -= 1
+            b = buckets[i]
+            b.append(s)
+            maxes[i] = s
+        else:
+            b = buckets[i]
+            insort(b, s)
+        if len(b) > 2 * _STAMPS_PER_BUCKET:
+            half = b[_STAMPS_PER_BUCKET:]
+            del b[_STAMPS_PER_BUCKET:]
+            buckets.insert(i + 1, half)
+            maxes[i] = b[-1]
+            maxes.insert(i + 1, half[-1])
+
+    def remove(self, s: float) -> None:
+        """Remove ``s`` (present)."""
+        i = bisect_left(self._maxes, s)
+        b = self._buckets[i]
+        del b[bisect_left(b, s)]
+        if not b:
+            del self._buckets[i]
+            del self._maxes[i]
+        else:
+            self._maxes[i] = b[-1]
+
+    def pop_below(self, s: float) -> list[float]:
+        """Remove and return every stamp smaller than ``s``, in order."""
+        maxes, buckets = self._maxes, self._buckets
+        out: list[float] = []
+        n = bisect_left(maxes, s)
+        for b in buckets[:n]:
+            out += b
+        del buckets[:n], maxes[:n]
+        if buckets:
+            b = buckets[0]
+            j = bisect_left(b, s)
+            out += b[:j]
+            del b[:j]
+        return out
+
+
 @dataclass
 class _StampGroups:
     """One class list's stamps: each distinct stamp and the first block holding it.
 
     A list is in stamp order, so blocks of one stamp follow each other; a
     block stamped ``s`` belongs right before the first block of the next
-    larger stamp (or at the tail), found by bisecting ``keys``.
+    larger stamp (or at the tail).
     """
 
-    keys: list[float] = field(default_factory=list)  # sorted, distinct
+    keys: _SortedStamps = field(default_factory=_SortedStamps)
     first: dict[float, KVCacheBlock] = field(default_factory=dict)
 
 
@@ -333,14 +416,13 @@ class WorkloadAwareFreeQueue:
         when no block of the list has its stamp.
         """
         g = self._groups[c]
-        keys = g.keys
         tail = self._tails[c]
         if self._heads[c].next_free_block is tail:
             self._went_live(c)
-        i = bisect_right(keys, s)
-        after = g.first[keys[i]] if i < len(keys) else tail
-        if not (i and keys[i - 1] == s):
-            keys.insert(i, s)
+        nxt = g.keys.next_above(s)
+        after = tail if nxt is None else g.first[nxt]
+        if s not in g.first:
+            g.keys.add(s)
             g.first[s] = b
             self._is_first[b.block_id] = 1
         return after.prev_free_block, after
@@ -357,7 +439,7 @@ class WorkloadAwareFreeQueue:
             self._is_first[nxt.block_id] = 1
         else:
             del g.first[s]
-            del g.keys[bisect_left(g.keys, s)]
+            g.keys.remove(s)
 
     def _ungroup_popped(self, c: int, head: KVCacheBlock) -> None:
         """Blocks before ``head`` (a block or the tail) were taken off list ``c``'s front."""
@@ -366,14 +448,11 @@ class WorkloadAwareFreeQueue:
         if head.block_id < 0:
             for blk in g.first.values():
                 is_first[blk.block_id] = 0
-            g.keys.clear()
-            g.first.clear()
+            self._groups[c] = _StampGroups()
             return
         s = self.stamp[head.block_id]
-        j = bisect_left(g.keys, s)
-        for k in g.keys[:j]:
+        for k in g.keys.pop_below(s):
             is_first[g.first.pop(k).block_id] = 0
-        del g.keys[:j]
         old = g.first[s]
         if old is not head:
             is_first[old.block_id] = 0
@@ -387,16 +466,16 @@ class WorkloadAwareFreeQueue:
         self._groups = [_StampGroups() for _ in range(self.num_classes_cap)]
         for c in self._live:
             g = self._groups[c]
+            keys: list[float] = []
             b, tail = self._heads[c].next_free_block, self._tails[c]
-            last = None
             while b is not tail:
                 s = stamp_of[b.block_id]
-                if s != last:
-                    g.keys.append(s)
+                if not keys or s != keys[-1]:
+                    keys.append(s)
                     g.first[s] = b
                     is_first[b.block_id] = 1
-                    last = s
                 b = b.next_free_block
+            g.keys = _SortedStamps(keys)
         self._grouped = True
 
     def _insertion_point(self, c: int, s: float) -> tuple[KVCacheBlock, KVCacheBlock]:
@@ -758,5 +837,6 @@ class WorkloadAwareFreeQueue:
                 first[s] = b
             b = b.next_free_block
         g = self._groups[c]
-        assert g.keys == keys, f"list {c}: stamp groups {g.keys} != {keys}"
+        assert list(g.keys) == keys, f"list {c}: stamp groups {list(g.keys)} != {keys}"
+        assert set(g.first) == set(keys), f"list {c}: group firsts for stamps it does not hold"
         assert all(g.first[k] is first[k] for k in keys), f"list {c}: a group's first block is wrong"
