@@ -19,8 +19,7 @@ A lookup-stamped release goes where its stamp sorts in its class list, which
 may be far from the tail (requests that started later finished first). Each
 class keeps its distinct stamps sorted, with the first block of each stamp's
 group, so the place is found by bisection, exactly, in a time that does not
-grow with the list (``_StampGroups``). Every operation keeps the groups, in
-either stamping, so a parameter swap to lookup stamps costs nothing.
+grow with the list (``_StampGroups``).
 """
 
 from __future__ import annotations
@@ -257,10 +256,12 @@ class WorkloadAwareFreeQueue:
         self._sel_class = -1
         self._sel_below = -_INF
 
-        # Stamp groups of every class list (see _StampGroups), kept by every
-        # operation in both stampings, so a swap to lookup stamps finds them.
+        # Stamp groups of every class list (see _StampGroups), kept while
+        # ``_grouped``; releases stamped at the release append at the tails
+        # without them, and the next lookup-stamped release rebuilds them.
         self._groups = [_StampGroups() for _ in range(cap)]
         self._is_first = bytearray(n_ids)  # block heads its stamp's group
+        self._grouped = True
 
         # Like vLLM: the given blocks start free, in the given order.  Blocks
         # without a hash go to the evict-first list; blocks that already hold
@@ -333,6 +334,7 @@ class WorkloadAwareFreeQueue:
         if self.stamp_at_lookup:
             self._insert_by_lookup(blocks)
             return
+        self._grouped = False
         stamp_of = self.stamp
         cls_of = self.block_class
         tails = self._tails
@@ -346,7 +348,6 @@ class WorkloadAwareFreeQueue:
         last = tail.prev_free_block
         if last is self._heads[cur]:
             self._went_live(cur)
-        self._group_at_tail(cur, t, blocks[0])
         run = 0
         for b in blocks:
             bid = b.block_id
@@ -362,7 +363,6 @@ class WorkloadAwareFreeQueue:
                 last = tail.prev_free_block
                 if last is self._heads[c]:
                     self._went_live(c)
-                self._group_at_tail(c, t, b)
             b.prev_free_block = last
             last.next_free_block = b
             last = b
@@ -381,6 +381,8 @@ class WorkloadAwareFreeQueue:
         its class stamped the same or earlier, found by bisecting the class's
         stamp groups; its blocks follow each other.
         """
+        if not self._grouped:
+            self._rebuild_groups()
         stamp_of, cls_of, start_of = self.stamp, self.block_class, self.lookup_time
         heads = self._heads
         freed = self.counters.freed
@@ -457,30 +459,39 @@ class WorkloadAwareFreeQueue:
             g.first[s] = head
             is_first[head.block_id] = 1
 
-    def _group_at_tail(self, c: int, t: float, b: KVCacheBlock) -> None:
-        """``b`` starts a run stamped ``t`` at list ``c``'s tail (no block there is stamped later)."""
-        g = self._groups[c]
-        if t not in g.first:
-            g.keys.add(t)
-            g.first[t] = b
-            self._is_first[b.block_id] = 1
+    def _rebuild_groups(self) -> None:
+        """Stamp groups from the lists (after releases stamped at the release)."""
+        is_first = self._is_first = bytearray(len(self._is_first))
+        stamp_of = self.stamp
+        self._groups = [_StampGroups() for _ in range(self.num_classes_cap)]
+        for c in self._live:
+            g = self._groups[c]
+            keys: list[float] = []
+            b, tail = self._heads[c].next_free_block, self._tails[c]
+            while b is not tail:
+                s = stamp_of[b.block_id]
+                if not keys or s != keys[-1]:
+                    keys.append(s)
+                    g.first[s] = b
+                    is_first[b.block_id] = 1
+                b = b.next_free_block
+            g.keys = _SortedStamps(keys)
+        self._grouped = True
 
-    def _regroup(self, c: int) -> None:
-        """List ``c``'s stamp groups from the list itself (after a merge)."""
-        is_first, stamp_of = self._is_first, self.stamp
-        for blk in self._groups[c].first.values():
-            is_first[blk.block_id] = 0
-        g = self._groups[c] = _StampGroups()
-        keys: list[float] = []
-        b, tail = self._heads[c].next_free_block, self._tails[c]
-        while b is not tail:
-            s = stamp_of[b.block_id]
-            if not keys or s != keys[-1]:
-                keys.append(s)
-                g.first[s] = b
-                is_first[b.block_id] = 1
-            b = b.next_free_block
-        g.keys = _SortedStamps(keys)
+    def _insertion_point(self, c: int, s: float) -> tuple[KVCacheBlock, KVCacheBlock]:
+        """Where a block stamped ``s`` goes in list ``c``: ``(prev, after)``, found
+        by scanning back from the list's tail past blocks stamped later (for
+        lists whose stamp groups are not kept)."""
+        stamp_of = self.stamp
+        head = self._heads[c]
+        after = self._tails[c]
+        prev = after.prev_free_block
+        if prev is head:
+            self._went_live(c)
+        while prev is not head and stamp_of[prev.block_id] > s:
+            after = prev
+            prev = prev.prev_free_block
+        return prev, after
 
     def _went_live(self, c: int) -> None:
         """List ``c`` was empty and gets a head: the cached selection is stale."""
@@ -502,7 +513,7 @@ class WorkloadAwareFreeQueue:
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
             raise RuntimeError(f"remove() called on an invalid block: {block}")
-        if self._is_first[block.block_id]:
+        if self._grouped and self._is_first[block.block_id]:
             self._ungroup(block, self.block_class[block.block_id])
         prev_block.next_free_block = next_block
         next_block.prev_free_block = prev_block
@@ -575,7 +586,7 @@ class WorkloadAwareFreeQueue:
             head.next_free_block = b
             b.prev_free_block = head
             k = len(out) - start
-            if k:
+            if k and self._grouped:
                 self._ungroup_popped(c, b)
             self.counters.evicted[c] += k
             if b is tail or not k:
@@ -679,9 +690,10 @@ class WorkloadAwareFreeQueue:
         """Move free blocks to ``new_class``, keeping free-stamp order.
 
         Used when a late fact about a request (its reply called a tool) changes
-        the class of its already-freed blocks.  Each block goes after the
-        target list's blocks stamped the same or earlier, found in its stamp
-        groups. Returns the number of blocks moved.
+        the class of its already-freed blocks.  Each block is inserted by
+        scanning the target list from its tail, so the cost is the number of
+        blocks moved plus the blocks freed into that class since.
+        Returns the number of blocks moved.
         """
         moved = 0
         stamp_of = self.stamp
@@ -694,11 +706,14 @@ class WorkloadAwareFreeQueue:
             old = cls_of[bid]
             if old == new_class or self._in_nohash_list(b):
                 continue
-            if self._is_first[bid]:
+            if self._grouped and self._is_first[bid]:
                 self._ungroup(b, old)
             b.prev_free_block.next_free_block = b.next_free_block
             b.next_free_block.prev_free_block = b.prev_free_block
-            prev, after = self._group_slot(new_class, stamp_of[bid], b)
+            if self._grouped:
+                prev, after = self._group_slot(new_class, stamp_of[bid], b)
+            else:
+                prev, after = self._insertion_point(new_class, stamp_of[bid])
             b.prev_free_block = prev
             b.next_free_block = after
             prev.next_free_block = b
@@ -750,6 +765,7 @@ class WorkloadAwareFreeQueue:
             return 0
         head_s.next_free_block = tail_s
         tail_s.prev_free_block = head_s
+        self._grouped = False  # rebuilt by the next lookup-stamped release
         stamp_of, cls_of = self.stamp, self.block_class
         cur, tail = self._heads[dst], self._tails[dst]
         if cur.next_free_block is tail:
@@ -763,8 +779,6 @@ class WorkloadAwareFreeQueue:
             cur.next_free_block = nxt.prev_free_block = b
             cls_of[b.block_id] = dst
             cur = b
-        self._regroup(src)
-        self._regroup(dst)
         return len(moving)
 
     def _in_nohash_list(self, block: KVCacheBlock) -> bool:
@@ -802,13 +816,14 @@ class WorkloadAwareFreeQueue:
                 prev, b, n = b, b.next_free_block, n + 1
             assert tail.prev_free_block is prev
             assert n == 0 or c == self._nohash or self._is_live[c], f"list {c} not marked live"
-            if c != self._nohash:
+            if self._grouped and c != self._nohash:
                 self._check_groups(c)
             total += n
         assert total == self.num_free_blocks, f"{total} linked != {self.num_free_blocks} counted"
-        firsts = {blk.block_id for g in self._groups for blk in g.first.values()}
-        flagged = {i for i, f in enumerate(self._is_first) if f}
-        assert firsts == flagged, "group-first flags differ from the groups"
+        if self._grouped:
+            firsts = {blk.block_id for g in self._groups for blk in g.first.values()}
+            flagged = {i for i, f in enumerate(self._is_first) if f}
+            assert firsts == flagged, "group-first flags differ from the groups"
 
     def _check_groups(self, c: int) -> None:
         """List ``c``'s stamp groups are its distinct stamps, each with its first block."""
