@@ -462,21 +462,27 @@ class WorkloadAwareFreeQueue:
     def _rebuild_groups(self) -> None:
         """Stamp groups from the lists (after releases stamped at the release)."""
         is_first = self._is_first = bytearray(len(self._is_first))
-        stamp_of = self.stamp
         self._groups = [_StampGroups() for _ in range(self.num_classes_cap)]
         for c in self._live:
-            g = self._groups[c]
-            keys: list[float] = []
-            b, tail = self._heads[c].next_free_block, self._tails[c]
-            while b is not tail:
-                s = stamp_of[b.block_id]
-                if not keys or s != keys[-1]:
-                    keys.append(s)
-                    g.first[s] = b
-                    is_first[b.block_id] = 1
-                b = b.next_free_block
-            g.keys = _SortedStamps(keys)
+            keys, first = self._stamp_runs(c)
+            self._groups[c] = _StampGroups(_SortedStamps(keys), first)
+            for b in first.values():
+                is_first[b.block_id] = 1
         self._grouped = True
+
+    def _stamp_runs(self, c: int) -> tuple[list[float], dict[float, KVCacheBlock]]:
+        """List ``c``'s distinct stamps in order, and the first block of each (a walk of the list)."""
+        stamp_of = self.stamp
+        keys: list[float] = []
+        first: dict[float, KVCacheBlock] = {}
+        b, tail = self._heads[c].next_free_block, self._tails[c]
+        while b is not tail:
+            s = stamp_of[b.block_id]
+            if not keys or s != keys[-1]:
+                keys.append(s)
+                first[s] = b
+            b = b.next_free_block
+        return keys, first
 
     def _insertion_point(self, c: int, s: float) -> tuple[KVCacheBlock, KVCacheBlock]:
         """Where a block stamped ``s`` goes in list ``c``: ``(prev, after)``, found
@@ -826,16 +832,8 @@ class WorkloadAwareFreeQueue:
             assert firsts == flagged, "group-first flags differ from the groups"
 
     def _check_groups(self, c: int) -> None:
-        """List ``c``'s stamp groups are its distinct stamps, each with its first block."""
-        keys: list[float] = []
-        first: dict[float, KVCacheBlock] = {}
-        b, tail = self._heads[c].next_free_block, self._tails[c]
-        while b is not tail:
-            s = self.stamp[b.block_id]
-            if not keys or keys[-1] != s:
-                keys.append(s)
-                first[s] = b
-            b = b.next_free_block
+        """List ``c``'s kept stamp groups are those a walk of the list finds."""
+        keys, first = self._stamp_runs(c)
         g = self._groups[c]
         assert list(g.keys) == keys, f"list {c}: stamp groups {list(g.keys)} != {keys}"
         assert set(g.first) == set(keys), f"list {c}: group firsts for stamps it does not hold"
