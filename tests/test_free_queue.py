@@ -323,6 +323,115 @@ def test_refile_moves_blocks_and_keeps_stamp_order():
     assert q.counters.reclassified == 2
 
 
+_PREV = KVCacheBlock.prev_free_block  # the slot's own descriptor
+
+
+class _StepCountingBlock(KVCacheBlock):
+    """A block that counts reads of its ``prev_free_block`` link."""
+
+    __slots__ = ()
+    reads = 0
+
+    @property
+    def prev_free_block(self):
+        _StepCountingBlock.reads += 1
+        return _PREV.__get__(self)
+
+    @prev_free_block.setter
+    def prev_free_block(self, v):
+        _PREV.__set__(self, v)
+
+
+class _StampReads(list):
+    """The queue's stamp array, counting reads."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        _StampReads.reads += 1
+        return list.__getitem__(self, i)
+
+
+def _late_report_steps(n_before: int, stamp_mode: str) -> tuple[int, list[int]]:
+    """Refile a 50-block request's blocks from a class with ``n_before`` older
+    free blocks into one holding 60 blocks freed after it; the list steps the
+    refile takes, and the target class's order after it."""
+    reg, (a, b) = _registry(2)
+    clock = SettableClock()
+    n = n_before + 50 + 60 + 40
+    blocks = [_StepCountingBlock(i) for i in range(n)]
+    q = WorkloadAwareFreeQueue(blocks, WAParams(stamp=stamp_mode), clock=clock, registry=reg)
+    got = q.popleft_n(n)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+
+    def release(run, cls):
+        clock.advance(1.0)
+        for blk in run:
+            q.block_class[blk.block_id] = cls
+            q.lookup_time[blk.block_id] = clock.t
+        q.append_n(run)
+
+    old, mine, later, older_b = got[:n_before], got[n_before : n_before + 50], got[n_before + 50 : -40], got[-40:]
+    release(older_b, b)
+    for i in range(0, len(old), 100):
+        release(old[i : i + 100], a)
+    release(mine[::-1], a)  # vLLM frees a request tail first
+    for i in range(0, len(later), 10):
+        release(later[i : i + 10], b)
+    q.stamp = _StampReads(q.stamp)
+    _StepCountingBlock.reads = _StampReads.reads = 0
+    assert q.refile(mine[::-1], b) == 50  # in release order, as the tagger gives them
+    steps = _StepCountingBlock.reads + _StampReads.reads
+    q.check_invariants()
+    order_b = [x.block_id for x in q.get_all_free_blocks() if q.block_class[x.block_id] == b]
+    return steps, order_b
+
+
+@pytest.mark.parametrize("stamp_mode", ["free", "lookup"])
+def test_a_late_report_refiles_in_steps_of_the_blocks_moved_and_freed_since_not_of_the_list(stamp_mode):
+    # A tool-call report reaches the engine after the request freed its
+    # blocks; the refile ran on the engine thread, and walked each block back
+    # to its list's head and scanned the target list from its tail for each
+    # block: 138 ms for 100 blocks behind 100,000 free ones.
+    small, order_small = _late_report_steps(500, stamp_mode)
+    large, order_large = _late_report_steps(5000, stamp_mode)
+    assert small == large  # nothing walks the 500 or 5,000 older blocks
+    assert large <= 4 * (50 + 60)  # blocks moved plus blocks freed into the target since
+    # The request's blocks sit after the target's older blocks and before its later ones, in their free order.
+    for n_before, order in ((500, order_small), (5000, order_large)):
+        assert order == (
+            list(range(n_before + 110, n_before + 150))
+            + list(range(n_before + 49, n_before - 1, -1))
+            + list(range(n_before + 50, n_before + 110))
+        )
+
+
+def test_a_cached_block_in_the_evict_first_list_is_never_refiled_and_refiled_once_it_leaves():
+    reg, (a, b) = _registry(2)
+    clock = SettableClock()
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
+    got = q.popleft_n(6)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+        q.block_class[blk.block_id] = a
+    q.prepend_n(got[:2])  # vLLM prepends cached blocks only with caching off
+    clock.advance(1.0)
+    q.append_n(got[2:])
+    assert q.refile(got[:2], b) == 0  # they stay first to go
+    assert ids(q.get_all_free_blocks()[:2]) == ids(got[:2])
+    q.check_invariants()
+    q.remove(got[0])
+    assert q.popleft_n(1) == [got[1]]
+    for blk in got[:2]:  # back, freed into class a like any cached block
+        q.block_class[blk.block_id] = a
+    clock.advance(1.0)
+    q.append_n(got[:2])
+    assert q.refile(got[:2], b) == 2
+    q.check_invariants()
+
+
 def _lookup_stamped_queue(n: int) -> tuple[WorkloadAwareFreeQueue, SettableClock, list[KVCacheBlock]]:
     clock = SettableClock()
     blocks = [KVCacheBlock(i) for i in range(n)]

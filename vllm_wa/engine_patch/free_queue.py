@@ -239,6 +239,9 @@ class WorkloadAwareFreeQueue:
         self.score_staleness = float(score_staleness)
 
         self._nohash = cap  # list index of blocks without a hash
+        # Blocks that hold a hash yet sit in that list (vLLM prepends cached
+        # blocks only with caching off): normally empty; ``refile`` skips them.
+        self._hashed_first: set[int] = set()
         self._heads = [KVCacheBlock(block_id=-1) for _ in range(cap + 1)]
         self._tails = [KVCacheBlock(block_id=-1) for _ in range(cap + 1)]
         for h, t in zip(self._heads, self._tails):
@@ -512,6 +515,9 @@ class WorkloadAwareFreeQueue:
             return
         self._link_run(self._nohash, blocks, at_front=True)
         self.num_free_blocks += len(blocks)
+        for b in blocks:
+            if b._block_hash is not None:
+                self._hashed_first.add(b.block_id)
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take a free block off its list: a prefix-cache hit reuses it."""
@@ -525,6 +531,8 @@ class WorkloadAwareFreeQueue:
         next_block.prev_free_block = prev_block
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
+        if self._hashed_first:
+            self._hashed_first.discard(block.block_id)
         if prev_block.block_id < 0:
             # A class head changed (sentinels have id -1).
             self._sel_dirty = True
@@ -555,6 +563,8 @@ class WorkloadAwareFreeQueue:
                 n -= 1
             head.next_free_block = b
             b.prev_free_block = head
+            if self._hashed_first:
+                self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
         return out
@@ -696,30 +706,44 @@ class WorkloadAwareFreeQueue:
         """Move free blocks to ``new_class``, keeping free-stamp order.
 
         Used when a late fact about a request (its reply called a tool) changes
-        the class of its already-freed blocks.  Each block is inserted by
-        scanning the target list from its tail, so the cost is the number of
-        blocks moved plus the blocks freed into that class since.
+        the class of its already-freed blocks.  Each block goes after the
+        target list's blocks stamped at or before its own stamp: found by the
+        stamp groups when they are kept, else by a scan from the tail for the
+        first block and from the block placed before it for the rest (blocks
+        given in stamp order, as the tagger gives them, move forward only), so
+        the cost is the number of blocks moved plus the blocks freed into that
+        class since, however long the lists are.
         Returns the number of blocks moved.
         """
         moved = 0
         stamp_of = self.stamp
         cls_of = self.block_class
         counters = self.counters
+        grouped = self._grouped
+        head, tail = self._heads[new_class], self._tails[new_class]
+        placed: KVCacheBlock | None = None  # the block this call placed last (not grouped)
         for b in blocks:
             if b.next_free_block is None or b._block_hash is None:
                 continue
             bid = b.block_id
             old = cls_of[bid]
-            if old == new_class or self._in_nohash_list(b):
+            if old == new_class or bid in self._hashed_first:
                 continue
-            if self._grouped and self._is_first[bid]:
+            if grouped and self._is_first[bid]:
                 self._ungroup(b, old)
             b.prev_free_block.next_free_block = b.next_free_block
             b.next_free_block.prev_free_block = b.prev_free_block
-            if self._grouped:
-                prev, after = self._group_slot(new_class, stamp_of[bid], b)
+            s = stamp_of[bid]
+            if grouped:
+                prev, after = self._group_slot(new_class, s, b)
+            elif placed is None:
+                prev, after = self._insertion_point(new_class, s)
             else:
-                prev, after = self._insertion_point(new_class, stamp_of[bid])
+                prev, after = placed, placed.next_free_block
+                while after is not tail and stamp_of[after.block_id] <= s:
+                    prev, after = after, after.next_free_block
+                while prev is not head and stamp_of[prev.block_id] > s:
+                    prev, after = prev.prev_free_block, prev
             b.prev_free_block = prev
             b.next_free_block = after
             prev.next_free_block = b
@@ -727,6 +751,7 @@ class WorkloadAwareFreeQueue:
             cls_of[bid] = new_class
             counters.freed[new_class] += 1  # (never decreased: the metrics export counters)
             moved += 1
+            placed = b
         if moved:
             counters.reclassified += moved
             self._sel_dirty = True
@@ -787,12 +812,6 @@ class WorkloadAwareFreeQueue:
             cur = b
         return len(moving)
 
-    def _in_nohash_list(self, block: KVCacheBlock) -> bool:
-        b = block
-        while b.block_id >= 0:
-            b = b.prev_free_block
-        return b is self._heads[self._nohash]
-
     def free_blocks_by_class(self) -> dict[str, int]:
         """Number of free blocks per class name (walks the lists: tests, demos)."""
         reg = self.registry
@@ -822,6 +841,14 @@ class WorkloadAwareFreeQueue:
                 prev, b, n = b, b.next_free_block, n + 1
             assert tail.prev_free_block is prev
             assert n == 0 or c == self._nohash or self._is_live[c], f"list {c} not marked live"
+            if c == self._nohash:
+                in_list = set()
+                b = head.next_free_block
+                while b is not tail:
+                    in_list.add(b.block_id)
+                    assert b._block_hash is None or b.block_id in self._hashed_first, "cached block first-to-go untracked"
+                    b = b.next_free_block
+                assert self._hashed_first <= in_list, "a tracked first-to-go block left that list"
             if self._grouped and c != self._nohash:
                 self._check_groups(c)
             total += n
