@@ -3,7 +3,9 @@
 Both queues hold the same blocks and see the same operation stream: requests
 free a run of blocks (``append_n``, 8 workload classes with different reuse
 models for WA), prefix hits take blocks off the free list (``remove``) and
-allocations evict (``popleft_n``).  Reported: nanoseconds per block for each
+allocations evict (``popleft_n``), late outcome reports move a request's
+blocks to another class (``refile``; vLLM's row takes them off and frees them
+again).  Reported: nanoseconds per block for each
 operation and the WA/vLLM ratio, measured in one run, at 10k, 100k and 1M
 blocks.
 
@@ -108,6 +110,22 @@ def run(kind: str, n: int, seed: int) -> dict[str, float]:
             q.append_n(run_blocks)
         q.append_n(singles)
         t_append = (time.perf_counter_ns() - t0) / (len(pops) * RUN + len(singles))
+        # refile: late outcome reports (a tool call) move recently freed
+        # requests' blocks to another class, in place; vLLM has no classes,
+        # so its row takes the same blocks off the list and frees them again.
+        recent = [r for r in pops[-200:] if all(b.next_free_block is not None for b in r)]
+        cids = [q.registry.id_of(f"class_{i}") for i in range(NUM_CLASSES)] if kind != "vllm" else []
+        targets = [cids[(cids.index(q.block_class[r[0].block_id]) + 1) % NUM_CLASSES] for r in recent] if cids else []
+        t0 = time.perf_counter_ns()
+        if kind == "vllm":
+            for run_blocks in recent:
+                for b in run_blocks:
+                    q.remove(b)
+                q.append_n(run_blocks)
+        else:
+            for run_blocks, c in zip(recent, targets):
+                q.refile(run_blocks, c)
+        t_refile = (time.perf_counter_ns() - t0) / max(1, len(recent) * RUN)
         # remove: prefix hits on free blocks, in a random order.
         victims = [b for b in rng.sample(blocks, n // 4) if b.next_free_block is not None]
         t0 = time.perf_counter_ns()
@@ -116,7 +134,7 @@ def run(kind: str, n: int, seed: int) -> dict[str, float]:
         t_remove = (time.perf_counter_ns() - t0) / len(victims)
     finally:
         gc.enable()
-    return {"popleft_n": t_pop, "popleft": t_pop1, "append_n": t_append, "remove": t_remove}
+    return {"popleft_n": t_pop, "popleft": t_pop1, "append_n": t_append, "refile": t_refile, "remove": t_remove}
 
 
 def run_pool(kind: str, n: int, seed: int) -> dict[str, float]:
@@ -255,7 +273,7 @@ def main() -> None:
     rows = []
     for n in sizes:
         for bench, ops, prefix in (
-            (run, ("popleft_n", "popleft", "append_n", "remove"), ""),
+            (run, ("popleft_n", "popleft", "append_n", "refile", "remove"), ""),
             (run_pool, ("get_new_blocks", "free_blocks", "touch"), "pool."),
         ):
             best = best_of(bench, n, args.rounds)
