@@ -117,6 +117,7 @@ class ControllerConfig:
     tuner_min_requests: int = 200
     tuner_min_batches: int = 6
     tuner_confidence: float = 0.95
+    tuner_full_window_confidence: float = 0.99
     tuner_demote_confidence: float = 0.95
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
@@ -135,7 +136,7 @@ class ControllerConfig:
             check_number(name, getattr(self, name), ge=0, error=ConfigError)
         check_number("tuner_min_requests", self.tuner_min_requests, ge=0, integer=True, error=ConfigError)
         check_number("class_confidence", self.class_confidence, ge=0, le=0.999999, error=ConfigError)
-        for name in ("tuner_confidence", "tuner_demote_confidence"):
+        for name in ("tuner_confidence", "tuner_full_window_confidence", "tuner_demote_confidence"):
             check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
         if self.tuner_batch_s * 2 > self.tuner_demote_window_s:
             raise ConfigError("tuner_demote_window_s must hold at least two batches (2 x tuner_batch_s)")
@@ -184,6 +185,7 @@ class ControllerConfig:
             min_requests=self.tuner_min_requests,
             min_batches=self.tuner_min_batches,
             confidence=self.tuner_confidence,
+            full_window_confidence=self.tuner_full_window_confidence,
             demote_confidence=self.tuner_demote_confidence,
         )
 
