@@ -300,14 +300,19 @@ def test_set_params_from_another_thread_keeps_queue_consistent():
     assert q.num_free_blocks + len(held) == 256
 
 
-def test_refile_moves_blocks_and_keeps_stamp_order():
+def _hashed_two_class_queue(n, params=None, block=KVCacheBlock):
+    """A queue over ``n`` blocks, all taken and given hashes 0..n-1; two classes."""
     reg, (a, b) = _registry(2)
     clock = SettableClock()
-    blocks = [KVCacheBlock(i) for i in range(10)]
-    q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
-    got = q.popleft_n(10)
+    q = WorkloadAwareFreeQueue([block(i) for i in range(n)], params, clock=clock, registry=reg)
+    got = q.popleft_n(n)
     for i, blk in enumerate(got):
         blk._block_hash = i
+    return q, clock, got, a, b
+
+
+def test_refile_moves_blocks_and_keeps_stamp_order():
+    q, clock, got, a, b = _hashed_two_class_queue(10)
     for i, blk in enumerate(got):
         q.block_class[blk.block_id] = a if i < 5 else b
         clock.advance(1.0)
@@ -356,14 +361,7 @@ def _late_report_steps(n_before: int, stamp_mode: str) -> tuple[int, list[int]]:
     """Refile a 50-block request's blocks from a class with ``n_before`` older
     free blocks into one holding 60 blocks freed after it; the list steps the
     refile takes, and the target class's order after it."""
-    reg, (a, b) = _registry(2)
-    clock = SettableClock()
-    n = n_before + 50 + 60 + 40
-    blocks = [_StepCountingBlock(i) for i in range(n)]
-    q = WorkloadAwareFreeQueue(blocks, WAParams(stamp=stamp_mode), clock=clock, registry=reg)
-    got = q.popleft_n(n)
-    for i, blk in enumerate(got):
-        blk._block_hash = i
+    q, clock, got, a, b = _hashed_two_class_queue(n_before + 150, WAParams(stamp=stamp_mode), _StepCountingBlock)
 
     def release(run, cls):
         clock.advance(1.0)
@@ -408,13 +406,8 @@ def test_a_late_report_refiles_in_steps_of_the_blocks_moved_and_freed_since_not_
 
 
 def test_a_cached_block_in_the_evict_first_list_is_never_refiled_and_refiled_once_it_leaves():
-    reg, (a, b) = _registry(2)
-    clock = SettableClock()
-    blocks = [KVCacheBlock(i) for i in range(6)]
-    q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
-    got = q.popleft_n(6)
-    for i, blk in enumerate(got):
-        blk._block_hash = i
+    q, clock, got, a, b = _hashed_two_class_queue(6)
+    for blk in got:
         q.block_class[blk.block_id] = a
     q.prepend_n(got[:2])  # vLLM prepends cached blocks only with caching off
     clock.advance(1.0)
