@@ -487,19 +487,26 @@ class WorkloadAwareFreeQueue:
             b = b.next_free_block
         return keys, first
 
-    def _insertion_point(self, c: int, s: float) -> tuple[KVCacheBlock, KVCacheBlock]:
-        """Where a block stamped ``s`` goes in list ``c``: ``(prev, after)``, found
-        by scanning back from the list's tail past blocks stamped later (for
-        lists whose stamp groups are not kept)."""
+    def _insertion_point(
+        self, c: int, s: float, near: KVCacheBlock | None = None
+    ) -> tuple[KVCacheBlock, KVCacheBlock]:
+        """Where a block stamped ``s`` goes in list ``c``: ``(prev, after)``, after
+        every block stamped ``s`` or earlier (for lists whose stamp groups are
+        not kept). Found by a scan from ``near``, a block of the list (default:
+        its tail), forward past blocks stamped ``s`` or earlier, or back past
+        blocks stamped later."""
         stamp_of = self.stamp
-        head = self._heads[c]
-        after = self._tails[c]
-        prev = after.prev_free_block
-        if prev is head:
-            self._went_live(c)
+        head, tail = self._heads[c], self._tails[c]
+        if near is None:
+            prev, after = tail.prev_free_block, tail
+            if prev is head:
+                self._went_live(c)
+        else:
+            prev, after = near, near.next_free_block
+        while after is not tail and stamp_of[after.block_id] <= s:
+            prev, after = after, after.next_free_block
         while prev is not head and stamp_of[prev.block_id] > s:
-            after = prev
-            prev = prev.prev_free_block
+            prev, after = prev.prev_free_block, prev
         return prev, after
 
     def _went_live(self, c: int) -> None:
@@ -720,7 +727,6 @@ class WorkloadAwareFreeQueue:
         cls_of = self.block_class
         counters = self.counters
         grouped = self._grouped
-        head, tail = self._heads[new_class], self._tails[new_class]
         placed: KVCacheBlock | None = None  # the block this call placed last (not grouped)
         for b in blocks:
             if b.next_free_block is None or b._block_hash is None:
@@ -736,14 +742,8 @@ class WorkloadAwareFreeQueue:
             s = stamp_of[bid]
             if grouped:
                 prev, after = self._group_slot(new_class, s, b)
-            elif placed is None:
-                prev, after = self._insertion_point(new_class, s)
             else:
-                prev, after = placed, placed.next_free_block
-                while after is not tail and stamp_of[after.block_id] <= s:
-                    prev, after = after, after.next_free_block
-                while prev is not head and stamp_of[prev.block_id] > s:
-                    prev, after = prev.prev_free_block, prev
+                prev, after = self._insertion_point(new_class, s, placed)
             b.prev_free_block = prev
             b.next_free_block = after
             prev.next_free_block = b
@@ -827,6 +827,7 @@ class WorkloadAwareFreeQueue:
     def check_invariants(self) -> None:
         """Walk every list and check links, classes, stamps and the count (tests)."""
         total = 0
+        first_to_go: set[int] = set()  # the ids in the evict-first list
         for c in range(self.num_classes_cap + 1):
             head, tail = self._heads[c], self._tails[c]
             b, prev, n, last_stamp = head.next_free_block, head, 0, -_INF
@@ -838,21 +839,17 @@ class WorkloadAwareFreeQueue:
                     s = self.stamp[b.block_id]
                     assert s >= last_stamp, f"list {c} is not in free-stamp order"
                     last_stamp = s
+                else:
+                    first_to_go.add(b.block_id)
+                    assert b._block_hash is None or b.block_id in self._hashed_first, "cached block first-to-go untracked"
                 prev, b, n = b, b.next_free_block, n + 1
             assert tail.prev_free_block is prev
             assert n == 0 or c == self._nohash or self._is_live[c], f"list {c} not marked live"
-            if c == self._nohash:
-                in_list = set()
-                b = head.next_free_block
-                while b is not tail:
-                    in_list.add(b.block_id)
-                    assert b._block_hash is None or b.block_id in self._hashed_first, "cached block first-to-go untracked"
-                    b = b.next_free_block
-                assert self._hashed_first <= in_list, "a tracked first-to-go block left that list"
             if self._grouped and c != self._nohash:
                 self._check_groups(c)
             total += n
         assert total == self.num_free_blocks, f"{total} linked != {self.num_free_blocks} counted"
+        assert self._hashed_first <= first_to_go, "a tracked first-to-go block left that list"
         if self._grouped:
             firsts = {blk.block_id for g in self._groups for blk in g.first.values()}
             flagged = {i for i, f in enumerate(self._is_first) if f}
