@@ -334,10 +334,10 @@ from vllm_wa.bench.results import RequestRecord
 from vllm_wa.bench.results import RunResult as ServedRun
 from vllm_wa.cli import main as cli_main
 from vllm_wa.cli import sample_path
-from vllm_wa.replay.knobs import choose_settings, profile_setup
+from vllm_wa.replay.knobs import choose_settings, profile_setup, tuned_sweep
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.progress import ProgressBoard, RunReporter
-from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep
+from vllm_wa.replay.runner import ReplayConfig, Task, make_policy, prepare, resolve_sizes, run_one, run_tasks, sweep
 from vllm_wa.replay.served import replay_config
 
 MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
@@ -361,6 +361,57 @@ def test_knobs_are_chosen_on_the_profile_half_only():
     # The sweep then runs the chosen setting.
     runs = sweep(setup, ["tlru"], sizes, jobs=1)
     assert {r.extra["setting"] for r in runs} == {choices["tlru"].chosen}
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_tuned_sweep_runs_as_tuning_then_sweep_in_one_pool(jobs):
+    """Knobs chosen on the profile half with the other runs beside them: the same
+    choices and hit rates as tuning first and sweeping after, and each tuned
+    peer's runs only after all of its profile-half runs."""
+    trace = load_trace(MOONCAKE)
+    policies = ["lru", "slru", "tlru", "arc"]
+    two_phase = prepare(trace, policies, ReplayConfig())
+    sizes = resolve_sizes("5%,10%,20%", two_phase.trace, two_phase.eval_start)
+    want_choices = choose_settings(two_phase, policies, sizes, jobs=1)
+    want = sweep(two_phase, policies, sizes, jobs=1)
+
+    setup = prepare(trace, policies, ReplayConfig())
+    order: list[tuple[str, str]] = []
+    got, choices = tuned_sweep(
+        setup, policies, sizes, jobs=jobs,
+        on_tuning=lambda r: order.append(("tuning", r.policy)),
+        on_choice=lambda c: order.append(("choice", c.peer)),
+        on_result=lambda r: order.append(("run", r.policy)),
+    )
+    assert {p: c.chosen for p, c in choices.items()} == {p: c.chosen for p, c in want_choices.items()}
+    assert {p: c.profile for p, c in choices.items()} == {p: c.profile for p, c in want_choices.items()}
+    assert setup.peer_settings == two_phase.peer_settings
+    assert [(r.policy, r.cache_blocks, r.hit_tokens, r.extra.get("setting")) for r in got] == [
+        (r.policy, r.cache_blocks, r.hit_tokens, r.extra.get("setting")) for r in want
+    ]
+    for peer in ("slru", "tlru"):
+        chosen_at = order.index(("choice", peer))
+        assert order.count(("tuning", peer)) == len(PEERS[peer].knob.values)
+        assert max(i for i, e in enumerate(order) if e == ("tuning", peer)) < chosen_at
+        assert min(i for i, e in enumerate(order) if e == ("run", peer)) > chosen_at
+
+
+def test_run_tasks_runs_the_tasks_a_finished_run_releases():
+    trace = load_trace(MOONCAKE)
+    setup = prepare(trace, ["lru", "fifo"], ReplayConfig())
+    released: list[Task] = []
+
+    def follow(task, r):
+        if task.policy != "lru":
+            return []
+        nxt = [Task("fifo", task.blocks)]
+        released.extend(nxt)
+        return nxt
+
+    runs = run_tasks(setup, [Task("lru", 300), Task("lru", 600)], jobs=2, follow=follow)
+    got = sorted((r.policy, r.cache_blocks) for r in runs)
+    assert got == [("fifo", 300), ("fifo", 600), ("lru", 300), ("lru", 600)]
+    assert len(released) == 2
 
 
 def test_progress_bars_only_on_a_terminal():

@@ -11,11 +11,11 @@ from importlib import resources
 
 from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
-from vllm_wa.replay.knobs import add_hindsight, choose_settings
+from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
-from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep
+from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes
 from vllm_wa.replay.served import replay_config
 from vllm_wa.replay.trace_cache import load_trace_cached
 
@@ -131,24 +131,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
             )
 
         to_tune = [p for p in policies if p not in fixed]
-        t_phase = time.perf_counter()
-        tuned = choose_settings(setup, to_tune, sizes, jobs=args.jobs, on_result=on_tuning, board=_BOARD)
-        choices[trace.name] = tuned
         if setup.cfg.profile_fraction <= 0 and any(p in PEERS and PEERS[p].knob is not None for p in to_tune):
             _progress(f"[{path}] no profile half to tune on: peers' knobs at their defaults (see --peer-settings)")
-        for p, c in tuned.items():
-            _progress(f"  {p}: {c.knob}={c.chosen:g}{c.unit} chosen on the profile half at {c.cache_blocks} blocks")
-        if tuned:
-            timing[trace.name]["tuning_s"] = time.perf_counter() - t_phase
-            _progress(f"[{path}] knob tuning took {timing[trace.name]['tuning_s']:.1f}s")
-        if tuned and args.peer_hindsight:
-            t_phase = time.perf_counter()
-            add_hindsight(setup, tuned, jobs=args.jobs, on_result=lambda r: on_tuning(r, "evaluated"), board=_BOARD)
-            timing[trace.name]["hindsight_s"] = time.perf_counter() - t_phase
-            _progress(f"[{path}] hindsight runs took {timing[trace.name]['hindsight_s']:.1f}s (not part of the sweep)")
         t_phase = time.perf_counter()
         n_tasks = sum(1 if p == "infinite" else len(sizes) for p in policies)
         done = [0]
+
+        def on_choice(c, t_phase=t_phase, name=trace.name):
+            _progress(
+                f"  {c.peer}: {c.knob}={c.chosen:g}{c.unit} chosen on the profile half at {c.cache_blocks} blocks"
+            )
+            timing[name]["tuning_s"] = time.perf_counter() - t_phase
 
         def on_result(r, n_tasks=n_tasks, done=done):
             done[0] += 1
@@ -157,10 +150,30 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 f"token hit {100 * r.token_hit_rate:6.2f}%  ({r.wall_s:.1f}s, {r.cpu_s:.1f}s CPU)"
             )
 
-        all_results.extend(sweep(setup, policies, sizes, jobs=args.jobs, on_result=on_result, board=_BOARD))
+        # One pool: the peers' knob tuning on the profile half, the other
+        # policies' runs beside it, each tuned peer's runs once its knob is chosen.
+        results, tuned = tuned_sweep(
+            setup,
+            policies,
+            sizes,
+            jobs=args.jobs,
+            on_tuning=on_tuning,
+            on_choice=on_choice,
+            on_result=on_result,
+            board=_BOARD,
+        )
+        all_results.extend(results)
+        choices[trace.name] = tuned
+        if tuned:
+            _progress(f"[{path}] knobs chosen {timing[trace.name]['tuning_s']:.1f}s into the sweep")
         timing[trace.name]["sweep_s"] = time.perf_counter() - t_phase
+        _progress(f"[{path}] sweep took {timing[trace.name]['sweep_s']:.1f}s (knob tuning included)")
+        if tuned and args.peer_hindsight:
+            t_phase = time.perf_counter()
+            add_hindsight(setup, tuned, jobs=args.jobs, on_result=lambda r: on_tuning(r, "evaluated"), board=_BOARD)
+            timing[trace.name]["hindsight_s"] = time.perf_counter() - t_phase
+            _progress(f"[{path}] hindsight runs took {timing[trace.name]['hindsight_s']:.1f}s (not part of the sweep)")
         timing[trace.name]["total_s"] = time.perf_counter() - t0
-        _progress(f"[{path}] sweep took {timing[trace.name]['sweep_s']:.1f}s")
     elapsed = time.perf_counter() - t_start
     print(report.format_table(all_results, unique, choices))
     print(f"replay took {elapsed:.1f}s")

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.progress import ProgressBoard
-from vllm_wa.replay.runner import RunResult, SweepSetup, Task, run_tasks
+from vllm_wa.replay.runner import RunResult, SweepSetup, Task, run_tasks, sort_results, sweep_tasks
 
 
 @dataclass
@@ -74,6 +74,37 @@ def tuning_size(sizes: Sequence[int]) -> int:
     return sorted(sizes)[len(sizes) // 2]
 
 
+class _Tuning:
+    """The profile-half runs of every tunable peer, and each peer's choice once its runs are in."""
+
+    def __init__(self, setup: SweepSetup, peers: Sequence[str], sizes: Sequence[int]) -> None:
+        self.setup = setup
+        self.size = tuning_size(sizes)
+        self.peers = [p for p in peers if p in PEERS and PEERS[p].knob is not None]
+        if not self.peers or setup.cfg.profile_fraction <= 0:
+            self.peers = []
+        elif setup.profile_half is None:
+            setup.profile_half = profile_setup(setup)
+        self.runs: dict[str, list[RunResult]] = {p: [] for p in self.peers}
+        self.choices: dict[str, KnobChoice] = {}
+
+    def tasks(self) -> list[Task]:
+        return [Task(p, self.size, v, part="profile") for p in self.peers for v in PEERS[p].knob.values]
+
+    def record(self, r: RunResult) -> KnobChoice | None:
+        """A profile-half run is in; the peer's choice (also set in the setup) once all of its are."""
+        runs = self.runs[r.policy]
+        runs.append(r)
+        values = PEERS[r.policy].knob.values
+        if len(runs) < len(values):
+            return None
+        knob = PEERS[r.policy].knob
+        c = KnobChoice(r.policy, knob.name, knob.unit, self.size, _scores(runs, r.policy, values))
+        self.choices[r.policy] = c
+        self.setup.peer_settings[r.policy] = c.chosen
+        return c
+
+
 def choose_settings(
     setup: SweepSetup,
     peers: Sequence[str],
@@ -84,21 +115,56 @@ def choose_settings(
     board: ProgressBoard | None = None,
 ) -> dict[str, KnobChoice]:
     """Choose each tunable peer's setting on the profile half; sets ``setup.peer_settings``."""
-    tunable = [p for p in peers if p in PEERS and PEERS[p].knob is not None]
-    if not tunable or setup.cfg.profile_fraction <= 0:
+    tuning = _Tuning(setup, peers, sizes)
+    if not tuning.peers:
         return {}
-    size = tuning_size(sizes)
-    tasks = [Task(p, size, v) for p in tunable for v in PEERS[p].knob.values]
-    runs = run_tasks(profile_setup(setup), tasks, jobs, on_result, board)
-    choices = {
-        p: KnobChoice(p, PEERS[p].knob.name, PEERS[p].knob.unit, size, _scores(runs, p, PEERS[p].knob.values))
-        for p in tunable
-    }
-    for p, c in choices.items():
-        setup.peer_settings[p] = c.chosen
+    for r in run_tasks(setup, tuning.tasks(), jobs, on_result, board):
+        tuning.record(r)
+    choices = {p: tuning.choices[p] for p in tuning.peers}
     if hindsight:
         add_hindsight(setup, choices, jobs, on_result, board)
     return choices
+
+
+def tuned_sweep(
+    setup: SweepSetup,
+    policies: Sequence[str],
+    sizes: Sequence[int],
+    jobs: int = 0,
+    on_tuning: Callable[[RunResult], None] | None = None,
+    on_choice: Callable[[KnobChoice], None] | None = None,
+    on_result: Callable[[RunResult], None] | None = None,
+    board: ProgressBoard | None = None,
+) -> tuple[list[RunResult], dict[str, KnobChoice]]:
+    """``sweep`` with the knobs of ``policies`` not yet in ``setup.peer_settings`` chosen on the profile half.
+
+    One pool runs it all: the profile-half runs go first, the other policies'
+    runs fill the cores beside them, and a peer's own runs start as soon as
+    its knob is chosen; the chosen settings are those :func:`choose_settings`
+    gives. Returns the sweep's results (as ``sweep`` orders them) and the choices.
+    """
+    tuning = _Tuning(setup, [p for p in policies if p not in setup.peer_settings], sizes)
+    waiting = set(tuning.peers)
+    results: list[RunResult] = []
+
+    def follow(task: Task, r: RunResult) -> list[Task]:
+        if task.part == "profile":
+            if on_tuning:
+                on_tuning(r)
+            c = tuning.record(r)
+            if c is None:
+                return []
+            if on_choice:
+                on_choice(c)
+            return [Task(c.peer, n, c.chosen) for n in sizes]
+        results.append(r)
+        if on_result:
+            on_result(r)
+        return []
+
+    first = tuning.tasks() + [t for t in sweep_tasks(policies, sizes) if t.policy not in waiting]
+    run_tasks(setup, first, jobs, board=board, follow=follow)
+    return sort_results(results, policies), {p: tuning.choices[p] for p in tuning.peers}
 
 
 def add_hindsight(

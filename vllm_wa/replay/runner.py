@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 import math
 import multiprocessing as mp
 import os
+import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -195,6 +197,9 @@ class SweepSetup:
     offsets: Any = None
     # Knob setting of each peer that has one (chosen on the profile half).
     peer_settings: dict[str, float] = field(default_factory=dict)
+    # The profile half as a replay of its own (``replay.knobs.profile_setup``),
+    # where runs of ``part="profile"`` tasks replay; set before they run.
+    profile_half: SweepSetup | None = None
 
 
 def prepare(trace: Trace, policies: Sequence[str], cfg: ReplayConfig) -> SweepSetup:
@@ -255,20 +260,42 @@ def make_policy(name: str, setup: SweepSetup) -> ReplayPolicy:
 
 @dataclass(frozen=True)
 class Task:
-    """One run: a policy at a cache size (a peer at a given knob setting, if set)."""
+    """One run: a policy at a cache size (a peer at a given knob setting, if set).
+
+    ``part`` is what it replays: ``"full"``, the whole trace, or ``"profile"``,
+    the profile half (``SweepSetup.profile_half``), where peers' knobs are tuned.
+    """
 
     policy: str
     blocks: int
     setting: float | None = None
+    part: str = "full"
 
     def label(self) -> str:
         knob = PEERS[self.policy].knob if self.policy in PEERS else None
         setting = f" {knob.label(self.setting)}" if knob is not None and self.setting is not None else ""
-        return f"{self.policy}{setting} @{self.blocks}"
+        half = " (profile half)" if self.part == "profile" else ""
+        return f"{self.policy}{setting} @{self.blocks}{half}"
 
 
-# Cost of a run relative to LRU's, to start the longest first.
-RUN_COST = {"wa-online": 6, "opt": 3, "arc": 2.5, "session": 2, "wa-offline": 2, "wa-reprofiled": 2}
+# CPU time of a run relative to LRU's (the agentic split's sweep, 2026-12-02),
+# to start the longest first.
+RUN_COST = {
+    "wa-online": 8.4,
+    "arc": 7.7,
+    "opt": 7.1,
+    "tlru": 4.3,
+    "session": 4.1,
+    "lfu": 3.9,
+    "slru": 3.2,
+    "ttl-tool": 2.9,
+    "wa-offline": 2.0,
+    "wa-reprofiled": 2.0,
+}
+
+# A task that follows a finished run: the runs it releases (e.g. a peer's
+# sweep once its knob is chosen on the profile half).
+FollowUp = Callable[[Task, RunResult], Sequence[Task]]
 
 # What forked workers run: the setup and where progress goes.
 _RUN: tuple[SweepSetup, Any] | None = None
@@ -278,6 +305,9 @@ def _run_task(item: tuple[int, Task]) -> RunResult:
     assert _RUN is not None
     setup, sink = _RUN
     run, task = item
+    if task.part == "profile":
+        assert setup.profile_half is not None, "profile-half runs need SweepSetup.profile_half"
+        setup = setup.profile_half
     if task.setting is not None:
         policy = make_peer(task.policy, setup, task.setting)
     else:
@@ -290,42 +320,93 @@ def _run_task(item: tuple[int, Task]) -> RunResult:
             reporter.close()
 
 
+def _priority(task: Task) -> tuple[bool, float]:
+    # Profile-half runs first (a peer's sweep waits for its knob), then the costliest.
+    return task.part == "profile", RUN_COST.get(task.policy, 1.0)
+
+
 def run_tasks(
     setup: SweepSetup,
     tasks: Sequence[Task],
     jobs: int = 0,
     on_result: Callable[[RunResult], None] | None = None,
     board: ProgressBoard | None = None,
+    follow: FollowUp | None = None,
 ) -> list[RunResult]:
-    """Run ``tasks`` (costliest first, in ``jobs`` processes); results in completion order."""
+    """Run ``tasks`` in ``jobs`` processes, the costliest ready one next; results in completion order.
+
+    ``follow`` is told each finished task and its result, in this process, and
+    may release more tasks: they join the ready ones at once, so no run waits
+    for a whole phase to end.
+    """
     global _RUN
-    order = sorted(enumerate(tasks), key=lambda it: -RUN_COST.get(it[1].policy, 1))
-    jobs = jobs or min(len(order), os.cpu_count() or 1)
+    ready = list(tasks)
+    if not jobs:
+        jobs = os.cpu_count() or 1
+        if follow is None:
+            jobs = min(jobs, len(ready))
     results: list[RunResult] = []
     live = board is not None and board.enabled
+    ids = itertools.count()
+
+    def take() -> tuple[int, Task]:
+        # The costliest; among equals the first released (a stable order).
+        best = max(range(len(ready)), key=lambda k: (_priority(ready[k]), -k))
+        return next(ids), ready.pop(best)
+
+    def done(task: Task, r: RunResult) -> None:
+        results.append(r)
+        if on_result:
+            on_result(r)
+        if follow:
+            ready.extend(follow(task, r))
+
     try:
-        if jobs <= 1 or len(order) <= 1:
+        if jobs <= 1 or (len(ready) <= 1 and follow is None):
             _RUN = (setup, board if live else None)
-            for item in order:
-                r = _run_task(item)
-                results.append(r)
-                if on_result:
-                    on_result(r)
+            while ready:
+                item = take()
+                done(item[1], _run_task(item))
         else:
             ctx = mp.get_context("fork")
             _RUN = (setup, board.open_queue(ctx) if live else None)
+            finished: queue.SimpleQueue[tuple[Task, RunResult | None, BaseException | None]] = queue.SimpleQueue()
             with ctx.Pool(jobs) as pool:
                 if live:
                     board.drain_in_background()
-                for r in pool.imap_unordered(_run_task, order):
-                    results.append(r)
-                    if on_result:
-                        on_result(r)
+                running = 0
+                while ready or running:
+                    while ready and running < jobs:
+                        item = take()
+                        pool.apply_async(
+                            _run_task,
+                            (item,),
+                            callback=lambda r, t=item[1]: finished.put((t, r, None)),
+                            error_callback=lambda e, t=item[1]: finished.put((t, None, e)),
+                        )
+                        running += 1
+                    task, r, err = finished.get()
+                    running -= 1
+                    if err is not None:
+                        raise err
+                    assert r is not None
+                    done(task, r)
     finally:
         _RUN = None
         if live:
             board.close()
     return results
+
+
+def sweep_tasks(policies: Sequence[str], sizes: Sequence[int]) -> list[Task]:
+    """Every (policy, size); ``infinite`` once, at the largest size."""
+    return [Task(p, n) for p in policies for n in ([sizes[-1]] if p == "infinite" else sizes)]
+
+
+def sort_results(results: list[RunResult], policies: Sequence[str]) -> list[RunResult]:
+    """In the order of ``policies``, then by cache size."""
+    order = {p: i for i, p in enumerate(policies)}
+    return sorted(results, key=lambda r: (order[r.policy], r.cache_blocks))
 
 
 def sweep(
@@ -337,11 +418,7 @@ def sweep(
     board: ProgressBoard | None = None,
 ) -> list[RunResult]:
     """Run every (policy, size); ``infinite`` runs once. Parallel over processes."""
-    tasks = [Task(p, n) for p in policies for n in ([sizes[-1]] if p == "infinite" else sizes)]
-    results = run_tasks(setup, tasks, jobs, on_result, board)
-    order = {p: i for i, p in enumerate(policies)}
-    results.sort(key=lambda r: (order[r.policy], r.cache_blocks))
-    return results
+    return sort_results(run_tasks(setup, sweep_tasks(policies, sizes), jobs, on_result, board), policies)
 
 
 def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
