@@ -132,6 +132,75 @@ def test_arc_beats_lru_on_a_scan_pattern():
     assert (lru, arc) == (4 * 10, 4 + 8 * 9)
 
 
+def test_arc_evicts_each_list_in_stamp_order():
+    """Each list's victims are its least recently stamped free blocks (through
+    re-filed reused blocks, concurrent requests and a compaction)."""
+    import random
+
+    pol = peer("arc")
+    h = Harness(pol, 24)
+    q = pol.queue
+    evict = q._evict
+
+    def checked_evict(n):
+        free = [bid for bid in range(q.num_block_ids) if q.is_free[bid] and q.where[bid]]
+        before = {bid: (q.where[bid], q.stamp[bid]) for bid in free}
+        victims = evict(n)
+        for lst in (1, 2):
+            taken = [before[b.block_id][1] for b in victims if b.block_id in before and before[b.block_id][0] == lst]
+            left = [q.stamp[bid] for bid in free if q.is_free[bid] and q.where[bid] == lst]
+            assert taken == sorted(taken)
+            if taken and left:
+                assert max(taken) < min(left)
+        return victims
+
+    q._evict = checked_evict
+    rng = random.Random(3)
+    live: list[str] = []
+    t = 0.0
+    for step in range(400):
+        t += 1.0
+        if live and (len(live) >= 3 or rng.random() < 0.45):
+            h.release(live.pop(rng.randrange(len(live))), t)
+            continue
+        # Prompts that share prefixes and repeat keys past a miss (another
+        # request's block holds them: ARC re-files that block as reused).
+        head = rng.randrange(6)
+        prompt = [head * 100 + j for j in range(rng.randrange(1, 5))]
+        prompt += [rng.randrange(40) for _ in range(rng.randrange(3))]
+        prompt = list(dict.fromkeys(prompt))
+        if len(prompt) + sum(len(h.live[r].hash_ids) for r in live) > 20:
+            continue
+        live.append(h.admit(prompt, t)[0])
+        if step == 200:
+            q._compact()  # dropping stale entries keeps each run in order
+            assert all(list(r) == sorted(r) for r in q._runs)
+
+
+def test_arc_blocks_filed_out_of_stamp_order_still_leave_in_stamp_order():
+    # The engines file a request's blocks right after ARC re-stamps them, in
+    # stamp order; a driver that files them later or in another order must get
+    # the same victims (those entries wait in the list's heap, not its run).
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from vllm_wa.replay.peers.arc import ARCQueue
+    from vllm_wa.replay.peers.base import RequestHints
+
+    blocks = [KVCacheBlock(i) for i in range(7)]
+    q = ARCQueue(blocks, capacity=6)
+    q.popleft()  # vLLM's null block
+    got = q.popleft_n(6)
+    for b, key in zip(got, [11, 12, 13, 21, 22, 23]):
+        b._block_hash = key
+    a, b = RequestHints("a", [11, 12, 13], 48), RequestHints("b", [21, 22, 23], 48)
+    q.on_admitted(a, got[:3], 0, 0.0)
+    q.on_admitted(b, got[3:], 0, 0.0)
+    q.on_free(a, got[:3], 0.0)  # a's blocks get the older stamps
+    q.on_free(b, got[3:], 0.0)
+    q.append_n(got[3:][::-1])  # b's filed first, a's after them
+    q.append_n(got[:3][::-1])
+    assert sum(len(h) for h in q._heaps) == 3
+    assert [x.block_id for x in q.popleft_n(6)] == [3, 2, 1, 6, 5, 4]  # a's tail first, then b's
 def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
