@@ -201,6 +201,8 @@ def test_arc_blocks_filed_out_of_stamp_order_still_leave_in_stamp_order():
     q.append_n(got[:3][::-1])
     assert sum(len(h) for h in q._heaps) == 3
     assert [x.block_id for x in q.popleft_n(6)] == [3, 2, 1, 6, 5, 4]  # a's tail first, then b's
+
+
 def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 

@@ -15,7 +15,7 @@ from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
-from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes
+from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep_tasks
 from vllm_wa.replay.served import replay_config
 from vllm_wa.replay.trace_cache import load_trace_cached
 
@@ -134,7 +134,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if setup.cfg.profile_fraction <= 0 and any(p in PEERS and PEERS[p].knob is not None for p in to_tune):
             _progress(f"[{path}] no profile half to tune on: peers' knobs at their defaults (see --peer-settings)")
         t_phase = time.perf_counter()
-        n_tasks = sum(1 if p == "infinite" else len(sizes) for p in policies)
+        n_tasks = len(sweep_tasks(policies, sizes))
         done = [0]
 
         def on_choice(c, t_phase=t_phase, name=trace.name):

@@ -278,19 +278,19 @@ class Task:
         return f"{self.policy}{setting} @{self.blocks}{half}"
 
 
-# CPU time of a run relative to LRU's (the agentic split's sweep, 2026-12-02),
-# to start the longest first.
+# CPU time of a run relative to LRU's (the agentic split's sweep, 2026-12-02
+# 16:05, with ARC's in-order runs), to start the longest first.
 RUN_COST = {
-    "wa-online": 8.4,
-    "arc": 7.7,
-    "opt": 7.1,
-    "tlru": 4.3,
-    "session": 4.1,
-    "lfu": 3.9,
-    "slru": 3.2,
-    "ttl-tool": 2.9,
-    "wa-offline": 2.0,
-    "wa-reprofiled": 2.0,
+    "wa-online": 5.4,
+    "arc": 4.5,
+    "opt": 4.4,
+    "lfu": 3.5,
+    "tlru": 3.4,
+    "slru": 3.4,
+    "session": 3.2,
+    "ttl-tool": 2.6,
+    "wa-offline": 1.9,
+    "wa-reprofiled": 1.9,
 }
 
 # A task that follows a finished run: the runs it releases (e.g. a peer's

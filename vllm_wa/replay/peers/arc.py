@@ -202,7 +202,7 @@ class ARCQueue(PeerQueue):
         virtual_t1 = self.t1_size
         target = int(self.target_t1_size)
         # Stamps are unique and renewed on every move between lists, so an
-        # entry whose stamp still matches is in the list its heap stands for.
+        # entry whose stamp still matches is in the list its run or heap stands for.
 
         def pop_valid(run: deque[int], heap: list[int]) -> int:
             # The least stamp of the list: the smaller head of its run and its heap.
