@@ -448,3 +448,73 @@ def test_resolve_sizes(agentic):
     assert resolve_sizes("300,100,300", agentic, es) == [100, 300]
     with pytest.raises(ValueError):
         resolve_sizes("1", agentic, es)
+
+
+def _profile_by_scan(trace: Trace, until: float, lifetime: LifetimeModel, since: float = -math.inf):
+    """The PR profiler's scan, request by request, block by block: the oracle for ``profile_trace``."""
+    import heapq
+    from collections import defaultdict
+
+    last_class: dict = {}
+    free_at: dict = {}
+    holders: dict = defaultdict(int)
+    accesses: dict = defaultdict(int)
+    reuses: dict = defaultdict(int)
+    gaps: dict = defaultdict(list)
+    finishing: list = []
+    reqs = trace.requests
+    for i, r in enumerate(reqs):
+        if r.arrival < since:
+            continue
+        if r.arrival >= until:
+            break
+        while finishing and finishing[0][0] <= r.arrival:
+            t, j = heapq.heappop(finishing)
+            for h in reqs[j].hash_ids:
+                holders[h] -= 1
+                if holders[h] == 0:
+                    free_at[h] = t
+                    del holders[h]
+        for h in r.hash_ids:
+            if last_class.get(h) is not None and h not in holders:
+                reuses[last_class[h]] += 1
+                gaps[last_class[h]].append(r.arrival - free_at[h])
+            holders[h] += 1
+            last_class[h] = r.tag
+        accesses[r.tag] += len(r.hash_ids)
+        heapq.heappush(finishing, (r.arrival + lifetime.service_time(r), i))
+    return dict(accesses), dict(reuses), {c: list(g) for c, g in gaps.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("ints", [True, False])
+def test_profile_counts_every_reuse_and_gap_the_scan_does(monkeypatch, seed, ints):
+    """Reuses, gaps (in the order seen) and accesses per class equal the block-by-block scan's,
+    through shared prefixes, a prompt that repeats a block, overlapping holders, finishes
+    that tie with arrivals, requests that finish as they arrive, and a window."""
+    import random
+
+    from vllm_wa.replay import profile as profile_mod
+
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(300):
+        t += rng.choice([0.0, 0.5, 3.0, 40.0])
+        ids = [rng.randrange(40) for _ in range(rng.randrange(0, 6))]
+        if ids and rng.random() < 0.2:
+            ids.append(ids[0])  # a repeated block within the prompt
+        hashes = array("q", ids) if ints else [f"b{x}" for x in ids]
+        # Service times on the arrivals' grid (zero too): finishes that tie with arrivals.
+        service = rng.choice([0.0, 0.5, 3.0, 40.0])
+        reqs.append(TraceRequest(f"r{i}", t, hashes, 32 * len(ids) + 1, 1, tag=rng.choice("abc"), service_time=service))
+    trace = Trace("t", 32, reqs, "test")
+    lifetime = LifetimeModel(min_service_s=0.0)
+    seen = {}
+    monkeypatch.setattr(profile_mod, "params_from_counts", lambda a, r, g: seen.update(a=a, r=r, g=g))
+    for since, until in [(-math.inf, t / 2), (t / 4, t + 1.0)]:
+        profile_mod.profile_trace(trace, until, lifetime, since=since)
+        accesses, reuses, gaps = _profile_by_scan(trace, until, lifetime, since)
+        assert seen["a"] == accesses and list(seen["a"]) == list(accesses)
+        assert seen["r"] == reuses
+        assert {c: list(g) for c, g in seen["g"].items()} == gaps
+        assert sum(reuses.values()) > 20

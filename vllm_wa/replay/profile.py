@@ -10,58 +10,89 @@ measures its idle time from.
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from collections import defaultdict
+from typing import Any
 
 import numpy as np
 from scipy import stats
 
 from vllm_wa.params import ReuseModel, WAParams, pooled_model
 from vllm_wa.replay.lifetime import LifetimeModel
-from vllm_wa.replay.trace import Trace
+from vllm_wa.replay.trace import Trace, TraceRequest
 
 
 def profile_trace(
     trace: Trace, until: float, lifetime: LifetimeModel | None = None, since: float = float("-inf")
 ) -> WAParams:
-    """PR-format parameters from the requests arriving in ``[since, until)``."""
+    """PR-format parameters from the requests arriving in ``[since, until)``.
+
+    A block occurrence is a reuse when the block was seen before and no
+    request holds it: no earlier occurrence in this request, and every
+    earlier request that used it finished by this arrival. Its gap runs from
+    the last of those finishes, and it counts for the class that used the
+    block last. Computed over all occurrences at once, grouped by block id.
+    """
     lifetime = lifetime or LifetimeModel()
-    last_class: dict[int, str] = {}
-    free_at: dict[int, float] = {}
-    holders: dict[int, int] = defaultdict(int)
-    accesses: dict[str, int] = defaultdict(int)
-    reuses: dict[str, int] = defaultdict(int)
-    gaps: dict[str, array] = defaultdict(lambda: array("d"))
-    finishing: list[tuple[float, int, int]] = []
-    reqs = trace.requests
+    reqs = _in_window(trace.requests, since, until)
+    accesses: dict[str, int] = {}
+    for r in reqs:
+        accesses[r.tag] = accesses.get(r.tag, 0) + len(r.hash_ids)
+    reuses: dict[str, int] = {}
+    gaps: dict[str, array] = {}
+    ids = _block_ids(reqs)
+    if len(ids) < 2:
+        return params_from_counts(accesses, reuses, gaps)
+    classes = list(accesses)
+    code = {c: i for i, c in enumerate(classes)}
+    lengths = np.array([len(r.hash_ids) for r in reqs], dtype=np.int64)
+    arrival = np.array([r.arrival for r in reqs], dtype=np.float64)
+    finish = np.array([r.arrival + lifetime.service_time(r) for r in reqs], dtype=np.float64)
+    cls = np.array([code[r.tag] for r in reqs], dtype=np.int64)
+    # Occurrences grouped by block id, each group in request order.
+    order = np.argsort(ids, kind="stable")
+    req = np.repeat(np.arange(len(reqs), dtype=np.int64), lengths)[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = ids[order][1:] != ids[order][:-1]
+    # The latest finish among a group's occurrences so far: a running maximum
+    # of (group, finish rank), which never carries across groups.
+    ends, rank = np.unique(finish, return_inverse=True)
+    group = np.cumsum(first) - 1
+    running = np.maximum.accumulate(group * len(ends) + rank[req])
+    k = np.flatnonzero(~first)
+    k = k[req[k - 1] != req[k]]  # an earlier occurrence in the same prompt holds the block
+    freed = ends[running[k - 1] - group[k] * len(ends)]
+    k_ok = freed <= arrival[req[k]]
+    k, freed = k[k_ok], freed[k_ok]
+    # Back to trace order (request, then position), the order gaps were seen in.
+    back = np.argsort(order[k], kind="stable")
+    k, freed = k[back], freed[back]
+    gap = arrival[req[k]] - freed
+    prev = cls[req[k - 1]]
+    for c in np.unique(prev):
+        mine = prev == c
+        reuses[classes[c]] = int(mine.sum())
+        gaps[classes[c]] = array("d", gap[mine].tobytes())
+    return params_from_counts(accesses, reuses, gaps)
 
-    def release(i: int, t: float) -> None:
-        for h in reqs[i].hash_ids:
-            holders[h] -= 1
-            if holders[h] == 0:
-                free_at[h] = t
-                del holders[h]
 
-    for i, r in enumerate(reqs):
+def _in_window(reqs: list[TraceRequest], since: float, until: float) -> list[TraceRequest]:
+    """The requests a scan in trace order profiles: from ``since``, stopping at the first at ``until``."""
+    out = []
+    for r in reqs:
         if r.arrival < since:
             continue
         if r.arrival >= until:
             break
-        while finishing and finishing[0][0] <= r.arrival:
-            t, _, j = heapq.heappop(finishing)
-            release(j, t)
-        c = r.tag
-        for h in r.hash_ids:
-            prev = last_class.get(h)
-            if prev is not None and h not in holders:
-                reuses[prev] += 1
-                gaps[prev].append(r.arrival - free_at[h])
-            holders[h] += 1
-            last_class[h] = c
-        accesses[c] += len(r.hash_ids)
-        heapq.heappush(finishing, (r.arrival + lifetime.service_time(r), i, i))
-    return params_from_counts(accesses, reuses, gaps)
+        out.append(r)
+    return out
+
+
+def _block_ids(reqs: list[TraceRequest]) -> np.ndarray:
+    """Every prompt's block ids, concatenated, as int64 (other hashables numbered)."""
+    if all(isinstance(r.hash_ids, array) and r.hash_ids.typecode == "q" for r in reqs):
+        return np.concatenate([np.frombuffer(r.hash_ids, dtype=np.int64) for r in reqs] or [np.empty(0, np.int64)])
+    seen: dict[Any, int] = {}
+    return np.fromiter((seen.setdefault(h, len(seen)) for r in reqs for h in r.hash_ids), dtype=np.int64)
 
 
 def params_from_counts(accesses: dict[str, int], reuses: dict[str, int], gaps: dict[str, array]) -> WAParams:
