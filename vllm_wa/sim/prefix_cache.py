@@ -43,9 +43,14 @@ class SimPrefixCache:
     """
 
     def __init__(
-        self, num_blocks: int, make_queue: Callable[[list[KVCacheBlock]], Any], *, last_block_hits: bool = False
+        self,
+        num_blocks: int,
+        make_queue: Callable[[list[KVCacheBlock]], Any],
+        *,
+        last_block_hits: bool = False,
+        id_space: int | None = None,
     ) -> None:
-        self.pool = SimBlockPool(num_blocks, make_queue, last_block_hits=last_block_hits)
+        self.pool = SimBlockPool(num_blocks, make_queue, last_block_hits=last_block_hits, id_space=id_space)
         self.hooks: RequestHooks | None = None
         self.oracle: AdmissionOracle | None = None
 
