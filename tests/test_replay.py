@@ -315,6 +315,9 @@ def test_renumbered_ids_keep_the_prefix_structure_and_order(agentic):
         assert [file_ids[h] for h in d.hash_ids] == list(r.hash_ids)
         assert d.hash_ids.typecode == "q" and (d.request_id, d.arrival, d.tag) == (r.request_id, r.arrival, r.tag)
     assert renumber_ids(dense) is dense
+    assert (trace.id_space, dense.id_space) == (None, len(file_ids))
+    for since, until in [(-math.inf, math.inf), (trace.requests[100].arrival, trace.requests[200].arrival)]:
+        assert dense.unique_blocks(since, until) == trace.unique_blocks(since, until) > 0
     # Ids already 0 .. n-1 stay as they are (no table to carry).
     ids = [array("q", [0, 1, 2]), array("q", [0, 1, 3])]
     flat = Trace("dense", 64, [TraceRequest(f"r{i}", float(i), a, 3 * 64, 1) for i, a in enumerate(ids)], "test")
