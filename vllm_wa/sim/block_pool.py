@@ -116,9 +116,12 @@ class SimBlockPool:
             if remove_n is not None:
                 # A prompt that repeats a hash hits one block twice: it leaves
                 # the free queue once (in order of first hit), as in vLLM's touch().
-                remove_n(list({id(b): b for b in hits if not b.ref_cnt}.values()))
+                free = []
                 for b in hits:
+                    if not b.ref_cnt:
+                        free.append(b)
                     b.ref_cnt += 1
+                remove_n(free)
             else:
                 remove = queue.remove
                 for b in hits:
