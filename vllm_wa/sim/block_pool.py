@@ -133,6 +133,9 @@ class SimBlockPool:
                 b.ref_cnt += 1
         new = queue.popleft_n(n_new)
         cached, dups = self.cached, self._dups
+        # The same steps for a list map and a dict map, written out twice: this
+        # loop runs for every new block of every prompt, the hottest loop of a
+        # replay, and a shared helper would add a Python call per block.
         if self._dense:
             for b, h in zip(new, misses):
                 old = b._block_hash
