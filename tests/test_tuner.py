@@ -10,7 +10,7 @@ import pytest
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController
-from vllm_wa.controller.tuner import LRU, PairedHits, Tuner, TunerSettings, sequential_z
+from vllm_wa.controller.tuner import LRU, PairedHits, Switch, Tuner, TunerSettings, sequential_z
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.params import ReuseModel, WAParams, params_changed
 
@@ -104,6 +104,26 @@ def test_noise_in_the_few_batches_after_a_promotion_does_not_demote():
     # demoted about three times as often.
     assert just_promoted_demotions(400, seed=11) <= 0.065 * 400
     assert Tuner([LRU, WA], SETTINGS)._demote_quantile(2) == pytest.approx(6.314, abs=1e-3)
+
+
+def demoted_on(noise: int) -> Switch | None:
+    """Ten batches in which LRU leads the running candidate by 6 hits in 1,000
+    (0.6 points, twice the margin), each batch off by +-``noise`` hits."""
+    tuner = Tuner([LRU, WA], SETTINGS, initial=WA)
+    for b in range(10):
+        diff = 6 + (noise if b % 2 else -noise)
+        tuner.record(30.0 * b + 1.0, 1000, [400 + diff, 400])
+    return tuner.decide(30.0 * 9 + 2.0)
+
+
+def test_demotes_when_lrus_lead_clears_the_margin_with_confidence():
+    # +-8 hits: standard error 0.27 points, bound 0.6 - 1.83 x 0.27 = 0.11 points:
+    # above zero but under the 0.3-point margin, so the candidate stays.
+    assert demoted_on(8) is None
+    # +-2 hits: standard error 0.07 points, bound 0.48 > 0.3: back to LRU.
+    sw = demoted_on(2)
+    assert sw is not None and sw.reason == "demote" and sw.to_candidate == LRU
+    assert sw.lead == pytest.approx(0.006) and sw.lower_bound > SETTINGS.margin
 
 
 def test_seconds_on_each_candidate_add_up():
