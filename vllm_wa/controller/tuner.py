@@ -36,11 +36,11 @@ with a batch-means standard error.
   against staying; a loss as large as the held-out failure's (1.9 points
   over 99k sampled lookups) clears the margin at once.  The bound is
   Student's t on the window's batch means (k >= 3 batches, k - 1 degrees
-  of freedom): just after a promotion the window holds two or three batches, and a normal quantile on a standard error
-  from so few batches demoted good candidates on noise (measured on the
-  Mooncake trace at 15 %: a 1.2-point lead demoted 36 s after its
-  promotion, two batches in).  A demoted candidate's earlier lead no
-  longer counts.
+  of freedom): just after a promotion the window holds two or three
+  batches, and a normal quantile on a standard error from so few batches
+  demoted good candidates on noise (measured on the Mooncake trace at
+  15 %: a 1.2-point lead demoted 36 s after its promotion, two batches
+  in).  A demoted candidate's earlier lead no longer counts.
 
 Every switch is logged with the evidence behind it.
 """
