@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from types import ModuleType
 
 import pytest
 from hypothesis import settings
@@ -12,15 +15,25 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.sim.clock import SettableClock
-
+from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 
 # CI runs a fixed set of examples (a red run must be reproducible); set
 # HYPOTHESIS_PROFILE=explore to search new ones while developing.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(autouse=True)

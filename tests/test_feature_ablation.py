@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
 from vllm_wa.cli import sample_path
@@ -13,16 +9,12 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes
 
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "feature_ablation.py")
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("feature_ablation", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("feature_ablation")
 
 
 def test_default_sets_cover_each_feature_alone_and_added_to_tag_outcome(bench):

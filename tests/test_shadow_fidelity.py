@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import random
-import sys
 from array import array
 
 import pytest
@@ -17,18 +14,13 @@ from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes
 from vllm_wa.replay.trace import Trace, TraceRequest
 
+from conftest import load_benchmark
+
 BLOCK = 16
-
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "shadow_fidelity.py")
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("shadow_fidelity", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("shadow_fidelity")
 
 
 @pytest.fixture(scope="module")

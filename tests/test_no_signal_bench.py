@@ -1,0 +1,66 @@
+"""benchmarks/no_signal.py: the guard-rail over seeds of the no-signal trace."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vllm_wa.replay.no_signal import no_signal_trace
+
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("no_signal")
+
+
+def test_seed_ranges_and_lists(bench):
+    assert bench.parse_seeds("0-3") == [0, 1, 2, 3]
+    assert bench.parse_seeds("3,7") == [3, 7]
+
+
+def test_overrides_parse_numbers_and_strings(bench):
+    got = bench.parse_overrides(["class_confidence=0.995", "shadow_sampling=chain", "tuner_enabled=false"])
+    assert got == {"class_confidence": 0.995, "shadow_sampling": "chain", "tuner_enabled": False}
+
+
+@pytest.mark.parametrize("item", ["no_such_field=1", "class_confidence=1.5", "class_confidence"])
+def test_a_bad_override_stops_before_any_run(bench, item, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--seeds", "0", "--set", item])
+    assert "class_confidence" in str(e.value) or "no_such_field" in str(e.value) or "field=value" in str(e.value)
+    assert "seed" not in capsys.readouterr().out  # nothing ran
+
+
+def test_table_counts_each_bound_separately(bench):
+    rows = [
+        {"seed": 0, "lru": 0.25, "wa_online": 0.25, "delta_points": 0.0, "off_lru_share": 0.0, "switches": []},
+        {
+            "seed": 1,
+            "lru": 0.28,
+            "wa_online": 0.2786,
+            "delta_points": -0.14,
+            "off_lru_share": 0.30,
+            "switches": [{"reason": "promote", "to": "tag", "time": 5257.0}],
+        },
+        {"seed": 2, "lru": 0.28, "wa_online": 0.277, "delta_points": -0.30, "off_lru_share": 0.01, "switches": []},
+    ]
+    table = bench.format_table(rows)
+    assert "promote -> tag at 5257 s" in table
+    assert table.splitlines()[-1] == "within 0.2 points of lru: 2/3; at most 5 % of the time off LRU: 2/3"
+
+
+def test_the_trace_is_seeded_and_each_turn_extends_the_last():
+    a, b = no_signal_trace(3, conversations=40), no_signal_trace(3, conversations=40)
+    assert [r.hash_ids for r in a.requests] == [r.hash_ids for r in b.requests]
+    assert [r.hash_ids for r in a.requests] != [r.hash_ids for r in no_signal_trace(4, conversations=40).requests]
+    turns: dict[int, list] = {}
+    for r in a.requests:
+        turns.setdefault(r.conversation, []).append(r)
+    for reqs in turns.values():
+        for prev, cur in itertools.pairwise(reqs):
+            assert cur.arrival >= prev.arrival
+            assert list(cur.hash_ids[: len(prev.hash_ids)]) == list(prev.hash_ids)
+            assert len(cur.hash_ids) >= len(prev.hash_ids) + 2

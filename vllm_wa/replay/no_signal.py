@@ -1,0 +1,74 @@
+"""A generated trace on which no class key can lead LRU: the guard-rail's test bed.
+
+Issue 8's "every WA candidate loses" case. Tags, outcomes and turn gaps are
+drawn independently, and the gaps are memoryless (exponential, one mean for
+every request), so every class a candidate can form has the same reuse law and
+the chance of a reuse only falls with a block's idle time: a workload-aware
+order can only match LRU's up to the noise of its fits, never lead it. A tuner
+that promotes here promoted on noise.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.replay.trace import Trace, TraceRequest
+
+BLOCK_SIZE = 16
+
+
+def no_signal_trace(seed: int = 0, conversations: int = 600, mean_gap_s: float = 120.0) -> Trace:
+    """``conversations`` conversations of 3 to 8 turns starting over 6,000 s.
+
+    Each turn's prompt is the previous one plus 2 to 5 new blocks; the next
+    turn comes an exponential gap (mean ``mean_gap_s``) later.
+    """
+    rng = random.Random(seed)
+    reqs: list[TraceRequest] = []
+    next_id = 0
+    for c in range(conversations):
+        t = rng.uniform(0, 6000.0)
+        prompt: list[int] = []
+        for k in range(rng.randint(3, 8)):
+            grow = rng.randint(2, 5)
+            prompt = prompt + list(range(next_id, next_id + grow))
+            next_id += grow
+            reqs.append(
+                TraceRequest(
+                    request_id=f"c{c}t{k}",
+                    arrival=t,
+                    hash_ids=array("q", prompt),
+                    input_tokens=len(prompt) * BLOCK_SIZE,
+                    output_tokens=8,
+                    tag=rng.choice(("chat", "agent")),
+                    conversation=c,
+                    outcome=rng.choice(("tool", "stop")),
+                )
+            )
+            t += rng.expovariate(1 / mean_gap_s)
+    reqs.sort(key=lambda r: r.arrival)
+    return Trace("no-signal", BLOCK_SIZE, reqs, "generated", synthetic=True)
+
+
+# The cache size the trace is replayed at (blocks), and the controller scaled
+# to it: every block watched, fits and tuner evidence sized for a few hundred
+# requests per window instead of thousands.
+CACHE_BLOCKS = 300
+
+
+def small_trace_controller(**overrides: object) -> ControllerConfig:
+    """The controller config of the no-signal runs (``overrides``: any other field)."""
+    base: dict[str, object] = {
+        "refit_interval_s": 5.0,
+        "fit_interval_s": 5.0,
+        "min_samples": 5,
+        "tuner_batch_s": 30.0,
+        "tuner_window_s": 900.0,
+        "tuner_demote_window_s": 300.0,
+        "tuner_min_requests": 50,
+        "sample_rate": 1.0,
+    }
+    base.update(overrides)
+    return ControllerConfig(**base)  # type: ignore[arg-type]
