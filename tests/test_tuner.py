@@ -168,18 +168,20 @@ class Applied:
         self.calls.append((params, key))
 
 
-def _feed_batches(tuner: Tuner, leader: str, base: str, batches: int) -> list[float]:
-    """One 30-s batch at a time, 1,000 sampled blocks each: ``leader`` hits
-    1.2 % more than ``base`` on average, by +3.0 / -0.6 % in alternate batches
-    (a lead of 1.2 points, standard error 0.33 over 30 batches); ``decide``
-    after each batch. Returns the decision times at which it switched."""
+def _feed_batches(tuner: Tuner, leader: str, base: str, batches: int, requests: int = 10) -> list[float]:
+    """One 30-s batch at a time, 1,000 sampled blocks each in ``requests``
+    requests: ``leader`` hits 1.2 % more than ``base`` on average, by +3.0 /
+    -0.6 % in alternate batches (a lead of 1.2 points, standard error 0.33
+    over 30 batches); ``decide`` after each batch. Returns the decision times
+    at which it switched."""
     idx = {n: i for i, n in enumerate(tuner.names)}
     switched = []
     for i in range(batches):
         hits = [300] * len(tuner.names)
         hits[idx[leader]] = 300 + (30 if i % 2 == 0 else -6)
-        for j in range(10):
-            tuner.record(30.0 * i + 1.0 + j, 100, [h // 10 if j else h - 9 * (h // 10) for h in hits])
+        for j in range(requests):
+            share = [h // requests if j else h - (requests - 1) * (h // requests) for h in hits]
+            tuner.record(30.0 * i + 1.0 + j * 25.0 / requests, 1000 // requests, share)
         now = 30.0 * i + 29.0
         if tuner.decide(now) is not None:
             switched.append(now)
@@ -191,21 +193,33 @@ def test_a_full_window_leaves_lru_on_the_one_sided_bound_a_young_one_on_the_mixt
     tuner = Tuner([LRU, WA], s)
     # 2.33 standard errors clear the margin (1.2 - 2.33 x 0.33 > 0.3 points),
     # the mixture boundary's 3.06 do not: it moves only when the 900-s window
-    # holds its 30 batches.
-    assert _feed_batches(tuner, WA, LRU, 40) == [30.0 * 29 + 29.0]
+    # holds its 30 batches (of 30 requests: 900, full_window_min_requests).
+    assert _feed_batches(tuner, WA, LRU, 40, requests=30) == [30.0 * 29 + 29.0]
     sw = tuner.switches[-1]
     assert sw.batches == 30 and sw.lower_bound > s.margin
     assert sw.lead - 3.06 * (sw.lead - sw.lower_bound) / 2.326 < s.margin
     # With the full window's bound as strict as the mixture's, it never moves.
     strict = Tuner([LRU, WA], TunerSettings(**{**s.__dict__, "full_window_confidence": 0.999999}))
-    assert _feed_batches(strict, WA, LRU, 40) == []
+    assert _feed_batches(strict, WA, LRU, 40, requests=30) == []
+
+
+def test_a_full_window_of_few_requests_keeps_the_mixture_bound():
+    """The one-sided bar assumes near-normal batch means: with 10 requests a
+    batch (300 in the window, under ``full_window_min_requests``) the same
+    hits face the mixture boundary and never move; lowering the minimum to
+    300 lets them move when the window is full."""
+    s = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=10, min_batches=6)
+    assert s.full_window_min_requests == 900
+    assert _feed_batches(Tuner([LRU, WA], s), WA, LRU, 40, requests=10) == []
+    loose = TunerSettings(**{**s.__dict__, "full_window_min_requests": 300})
+    assert _feed_batches(Tuner([LRU, WA], loose), WA, LRU, 40, requests=10) == [30.0 * 29 + 29.0]
 
 
 def test_a_move_between_two_candidates_keeps_the_mixture_bound_on_a_full_window():
     s = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=10, min_batches=6)
     tuner = Tuner([LRU, WA, "wb"], s, initial=WA)
     # wb leads the running candidate as WA led LRU above (LRU ties WA: no demotion).
-    assert _feed_batches(tuner, "wb", WA, 40) == []
+    assert _feed_batches(tuner, "wb", WA, 40, requests=30) == []
     assert tuner.active == WA
 
 

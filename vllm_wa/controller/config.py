@@ -118,6 +118,7 @@ class ControllerConfig:
     tuner_min_batches: int = 6
     tuner_confidence: float = 0.95
     tuner_full_window_confidence: float = 0.99
+    tuner_full_window_min_requests: int = 900
     tuner_demote_confidence: float = 0.95
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
@@ -134,7 +135,8 @@ class ControllerConfig:
             check_number(name, getattr(self, name), gt=0, integer=True, error=ConfigError)
         for name in ("min_samples", "tuner_margin", "swap_tolerance"):
             check_number(name, getattr(self, name), ge=0, error=ConfigError)
-        check_number("tuner_min_requests", self.tuner_min_requests, ge=0, integer=True, error=ConfigError)
+        for name in ("tuner_min_requests", "tuner_full_window_min_requests"):
+            check_number(name, getattr(self, name), ge=0, integer=True, error=ConfigError)
         check_number("class_confidence", self.class_confidence, ge=0, le=0.999999, error=ConfigError)
         for name in ("tuner_confidence", "tuner_full_window_confidence", "tuner_demote_confidence"):
             check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
@@ -186,6 +188,7 @@ class ControllerConfig:
             min_batches=self.tuner_min_batches,
             confidence=self.tuner_confidence,
             full_window_confidence=self.tuner_full_window_confidence,
+            full_window_min_requests=self.tuner_full_window_min_requests,
             demote_confidence=self.tuner_demote_confidence,
         )
 
