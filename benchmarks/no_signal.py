@@ -1,4 +1,4 @@
-"""The guard-rail on traffic no class key can predict, over several seeds.
+"""The guard-rail on traffic no class key should predict, over several seeds.
 
 Issue 8's "every WA candidate loses" bounds, per seed of the generated trace
 (``vllm_wa.replay.no_signal``): ``wa-online`` within 0.2 points of ``lru`` and

@@ -18,6 +18,7 @@ from conftest import load_benchmark
 
 BLOCK = 16
 
+
 @pytest.fixture(scope="module")
 def bench():
     return load_benchmark("shadow_fidelity")
