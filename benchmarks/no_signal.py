@@ -8,6 +8,13 @@ controller scaled to the trace (``small_trace_controller``). Any controller
 field can be overridden, for example the class test's confidence:
 
     python benchmarks/no_signal.py --seeds 0-5 [--set class_confidence=0.995] [--jobs 2] [--json out.json]
+
+``--conversations 2400 --lengths geometric`` makes the traffic four times
+denser (60 sampled requests a 30-s batch, past the tuner's
+``full_window_min_requests``) and memoryless in its length too, so nothing
+at all separates the classes; with ``--set class_confidence=0`` every
+candidate then differs from LRU by noise alone: the tuner's own bar is all
+that is left between it and the real cache.
 """
 
 from __future__ import annotations
@@ -17,24 +24,39 @@ import json
 import multiprocessing as mp
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_wa.replay.no_signal import CACHE_BLOCKS, no_signal_trace, small_trace_controller
+from vllm_wa.replay.no_signal import CACHE_BLOCKS, LENGTHS, no_signal_trace, small_trace_controller
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
 
 
-def run_seed(job: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Job:
+    """One seed's trace and its controller overrides."""
+
+    seed: int
+    overrides: dict[str, Any]
+    conversations: int = 600
+    lengths: str = "uniform"
+
+    @property
+    def cache_blocks(self) -> int:
+        """The cache scaled with the traffic (``CACHE_BLOCKS`` at 600 conversations)."""
+        return max(1, round(CACHE_BLOCKS * self.conversations / 600))
+
+
+def run_seed(job: Job) -> dict[str, Any]:
     """``lru`` and ``wa-online`` on one seed's trace."""
-    seed, overrides = job
-    trace = no_signal_trace(seed)
-    cfg = ReplayConfig(controller_config=small_trace_controller(**overrides))
+    trace = no_signal_trace(job.seed, conversations=job.conversations, lengths=job.lengths)
+    cfg = ReplayConfig(controller_config=small_trace_controller(**job.overrides))
     setup = prepare(trace, ["lru", "wa-online"], cfg)
-    lru = run_one(setup.trace, make_policy("lru", setup), CACHE_BLOCKS, cfg, setup.eval_start)
-    wa = run_one(setup.trace, make_policy("wa-online", setup), CACHE_BLOCKS, cfg, setup.eval_start)
+    lru = run_one(setup.trace, make_policy("lru", setup), job.cache_blocks, cfg, setup.eval_start)
+    wa = run_one(setup.trace, make_policy("wa-online", setup), job.cache_blocks, cfg, setup.eval_start)
     on = wa.extra["seconds_on_candidate"]
     total = sum(on.values())
     return {
-        "seed": seed,
+        "seed": job.seed,
         "lru": lru.token_hit_rate,
         "wa_online": wa.token_hit_rate,
         "delta_points": 100 * (wa.token_hit_rate - lru.token_hit_rate),
@@ -84,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0-5", help="seeds, as 0-5 or 0,3,7")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a controller config field")
+    ap.add_argument("--conversations", type=int, default=600, help="denser traffic; the cache scales with it")
+    ap.add_argument("--lengths", choices=LENGTHS, default="uniform", help="geometric: the turn count tells nothing")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
@@ -92,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         small_trace_controller(**overrides)  # a bad field or value stops here, not in a worker
     except (TypeError, ValueError) as e:
         raise SystemExit(f"--set: {e}") from e
-    jobs = [(s, overrides) for s in parse_seeds(args.seeds)]
+    if args.conversations < 1:
+        raise SystemExit("--conversations must be at least 1")
+    jobs = [Job(s, overrides, args.conversations, args.lengths) for s in parse_seeds(args.seeds)]
     t0 = time.perf_counter()
     if args.jobs <= 1:
         rows = [run_seed(j) for j in jobs]
@@ -103,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"took {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"overrides": overrides, "rows": rows}, f, indent=1)
+            trace = {"conversations": args.conversations, "lengths": args.lengths, "cache_blocks": jobs[0].cache_blocks}
+            json.dump({"overrides": overrides, "trace": trace, "rows": rows}, f, indent=1)
     return 0
 
 

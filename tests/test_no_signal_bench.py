@@ -52,15 +52,43 @@ def test_table_counts_each_bound_separately(bench):
     assert table.splitlines()[-1] == "within 0.2 points of lru: 2/3; at most 5 % of the time off LRU: 2/3"
 
 
-def test_the_trace_is_seeded_and_each_turn_extends_the_last():
-    a, b = no_signal_trace(3, conversations=40), no_signal_trace(3, conversations=40)
-    assert [r.hash_ids for r in a.requests] == [r.hash_ids for r in b.requests]
-    assert [r.hash_ids for r in a.requests] != [r.hash_ids for r in no_signal_trace(4, conversations=40).requests]
+def _conversations(trace) -> dict[int, list]:
     turns: dict[int, list] = {}
-    for r in a.requests:
+    for r in trace.requests:
         turns.setdefault(r.conversation, []).append(r)
-    for reqs in turns.values():
+    return turns
+
+
+@pytest.mark.parametrize("lengths", ["uniform", "geometric"])
+def test_the_trace_is_seeded_and_each_turn_extends_the_last(lengths):
+    a, b = no_signal_trace(3, conversations=40, lengths=lengths), no_signal_trace(3, conversations=40, lengths=lengths)
+    assert [r.hash_ids for r in a.requests] == [r.hash_ids for r in b.requests]
+    other = no_signal_trace(4, conversations=40, lengths=lengths)
+    assert [r.hash_ids for r in a.requests] != [r.hash_ids for r in other.requests]
+    for reqs in _conversations(a).values():
         for prev, cur in itertools.pairwise(reqs):
             assert cur.arrival >= prev.arrival
             assert list(cur.hash_ids[: len(prev.hash_ids)]) == list(prev.hash_ids)
             assert len(cur.hash_ids) >= len(prev.hash_ids) + 2
+
+
+def test_geometric_lengths_are_memoryless_uniform_ones_are_3_to_8():
+    uniform = [len(t) for t in _conversations(no_signal_trace(0, conversations=400)).values()]
+    assert min(uniform) == 3 and max(uniform) == 8
+    geometric = [len(t) for t in _conversations(no_signal_trace(0, conversations=400, lengths="geometric")).values()]
+    assert min(geometric) == 1 and max(geometric) > 12
+    assert 4.5 < sum(geometric) / len(geometric) < 6.5  # mean 5.5, as the uniform lengths'
+    # Memoryless: of the conversations that reach a turn, about the same share ends there.
+    for k in (1, 3):
+        reached = [n for n in geometric if n >= k]
+        assert 0.1 < sum(n == k for n in reached) / len(reached) < 0.28  # 1 / 5.5 = 0.18
+    with pytest.raises(ValueError, match="lengths"):
+        no_signal_trace(0, lengths="zipf")
+
+
+def test_the_cache_scales_with_the_traffic(bench, capsys):
+    assert bench.Job(0, {}).cache_blocks == 300
+    assert bench.Job(0, {}, conversations=2400, lengths="geometric").cache_blocks == 1200
+    with pytest.raises(SystemExit, match="conversations"):
+        bench.main(["--seeds", "0", "--conversations", "0"])
+    assert "seed" not in capsys.readouterr().out

@@ -57,11 +57,19 @@ def test_a_lead_within_noise_never_promotes():
     assert tuner.promotions == 0 and tuner.active == LRU
 
 
-def test_a_small_true_lead_below_the_margin_never_promotes():
+def test_a_small_true_lead_promotes_only_over_the_full_window_margin():
+    # +0.05 points: under both margins, never in an hour.
     tuner = Tuner([LRU, WA], SETTINGS)
-    rng = random.Random(2)
-    run(tuner, rng, 0.0, 3600.0, 0.400, 0.402)  # +0.2 points < 0.3-point margin
+    run(tuner, random.Random(2), 0.0, 3600.0, 0.400, 0.4005)
     assert tuner.promotions == 0
+    # +0.2 points: under the 0.3-point margin of a young window, over the
+    # full window's 0.1: it moves, and only on a full window.
+    tuner = Tuner([LRU, WA], SETTINGS)
+    run(tuner, random.Random(2), 0.0, 3600.0, 0.400, 0.402)
+    assert tuner.promotions == 1
+    sw = tuner.switches[-1]
+    assert sw.batches >= 30 and sw.requests >= SETTINGS.full_window_min_requests
+    assert SETTINGS.full_window_margin < sw.lower_bound < SETTINGS.margin
 
 
 def test_leads_early_loses_later_back_on_lru_within_the_demotion_window():
@@ -168,17 +176,19 @@ class Applied:
         self.calls.append((params, key))
 
 
-def _feed_batches(tuner: Tuner, leader: str, base: str, batches: int, requests: int = 10) -> list[float]:
+def _feed_batches(
+    tuner: Tuner, leader: str, base: str, batches: int, requests: int = 10, swing: tuple[int, int] = (30, -6)
+) -> list[float]:
     """One 30-s batch at a time, 1,000 sampled blocks each in ``requests``
-    requests: ``leader`` hits 1.2 % more than ``base`` on average, by +3.0 /
-    -0.6 % in alternate batches (a lead of 1.2 points, standard error 0.33
-    over 30 batches); ``decide`` after each batch. Returns the decision times
-    at which it switched."""
+    requests: ``leader`` hits ``swing`` blocks more than ``base`` in alternate
+    batches (by default +3.0 / -0.6 %: a lead of 1.2 points, standard error
+    0.33 over 30 batches); ``decide`` after each batch. Returns the decision
+    times at which it switched."""
     idx = {n: i for i, n in enumerate(tuner.names)}
     switched = []
     for i in range(batches):
         hits = [300] * len(tuner.names)
-        hits[idx[leader]] = 300 + (30 if i % 2 == 0 else -6)
+        hits[idx[leader]] = 300 + swing[i % 2]
         for j in range(requests):
             share = [h // requests if j else h - (requests - 1) * (h // requests) for h in hits]
             tuner.record(30.0 * i + 1.0 + j * 25.0 / requests, 1000 // requests, share)
@@ -198,8 +208,9 @@ def test_a_full_window_leaves_lru_on_the_one_sided_bound_a_young_one_on_the_mixt
     sw = tuner.switches[-1]
     assert sw.batches == 30 and sw.lower_bound > s.margin
     assert sw.lead - 3.06 * (sw.lead - sw.lower_bound) / 2.326 < s.margin
-    # With the full window's bound as strict as the mixture's, it never moves.
-    strict = Tuner([LRU, WA], TunerSettings(**{**s.__dict__, "full_window_confidence": 0.999999}))
+    # With the full window's bound and margin as strict as the mixture's, it never moves.
+    strict = TunerSettings(**{**s.__dict__, "full_window_confidence": 0.999999, "full_window_margin": s.margin})
+    strict = Tuner([LRU, WA], strict)
     assert _feed_batches(strict, WA, LRU, 40, requests=30) == []
 
 
@@ -213,6 +224,21 @@ def test_a_full_window_of_few_requests_keeps_the_mixture_bound():
     assert _feed_batches(Tuner([LRU, WA], s), WA, LRU, 40, requests=10) == []
     loose = TunerSettings(**{**s.__dict__, "full_window_min_requests": 300})
     assert _feed_batches(Tuner([LRU, WA], loose), WA, LRU, 40, requests=10) == [30.0 * 29 + 29.0]
+
+
+def test_a_full_window_leaves_lru_over_the_smaller_margin():
+    """A lead of 0.7 points with a standard error of 0.20 over 30 batches of
+    30 requests: 2.33 standard errors leave a bound of 0.22 points, under
+    ``margin`` (0.3) and over ``full_window_margin`` (0.1), so it moves when
+    the window is full; with ``full_window_margin`` raised to ``margin`` it
+    never does. A young window keeps ``margin``."""
+    s = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=10, min_batches=6)
+    assert s.full_window_margin == 0.001
+    tuner = Tuner([LRU, WA], s)
+    assert _feed_batches(tuner, WA, LRU, 40, requests=30, swing=(18, -4)) == [30.0 * 29 + 29.0]
+    assert s.full_window_margin < tuner.switches[-1].lower_bound < s.margin
+    same = TunerSettings(**{**s.__dict__, "full_window_margin": s.margin})
+    assert _feed_batches(Tuner([LRU, WA], same), WA, LRU, 40, requests=30, swing=(18, -4)) == []
 
 
 def test_a_move_between_two_candidates_keeps_the_mixture_bound_on_a_full_window():

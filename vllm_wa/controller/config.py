@@ -119,6 +119,7 @@ class ControllerConfig:
     tuner_confidence: float = 0.95
     tuner_full_window_confidence: float = 0.99
     tuner_full_window_min_requests: int = 900
+    tuner_full_window_margin: float = 0.001
     tuner_demote_confidence: float = 0.95
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
@@ -133,7 +134,7 @@ class ControllerConfig:
             check_number(name, getattr(self, name), gt=0, error=ConfigError)
         for name in ("shadow_blocks", "event_capacity", "tuner_min_batches"):
             check_number(name, getattr(self, name), gt=0, integer=True, error=ConfigError)
-        for name in ("min_samples", "tuner_margin", "swap_tolerance"):
+        for name in ("min_samples", "tuner_margin", "tuner_full_window_margin", "swap_tolerance"):
             check_number(name, getattr(self, name), ge=0, error=ConfigError)
         for name in ("tuner_min_requests", "tuner_full_window_min_requests"):
             check_number(name, getattr(self, name), ge=0, integer=True, error=ConfigError)
@@ -189,6 +190,7 @@ class ControllerConfig:
             confidence=self.tuner_confidence,
             full_window_confidence=self.tuner_full_window_confidence,
             full_window_min_requests=self.tuner_full_window_min_requests,
+            full_window_margin=self.tuner_full_window_margin,
             demote_confidence=self.tuner_demote_confidence,
         )
 

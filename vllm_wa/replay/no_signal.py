@@ -9,6 +9,7 @@ noise of its fits. The one signal left is a conversation's length (3 to 8
 turns), which a key with the turn count can read a little of: with a looser
 class test such keys ended up to 0.40 points above LRU here (README, "No
 signal"). A tuner that promotes on the default class test promoted on noise.
+With geometric lengths (``lengths="geometric"``) that signal is gone too.
 """
 
 from __future__ import annotations
@@ -20,21 +21,32 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.trace import Trace, TraceRequest
 
 BLOCK_SIZE = 16
+LENGTHS = ("uniform", "geometric")
+GEOMETRIC_MEAN_TURNS = 5.5  # the uniform lengths' mean
 
 
-def no_signal_trace(seed: int = 0, conversations: int = 600, mean_gap_s: float = 120.0) -> Trace:
-    """``conversations`` conversations of 3 to 8 turns starting over 6,000 s.
+def no_signal_trace(
+    seed: int = 0, conversations: int = 600, mean_gap_s: float = 120.0, lengths: str = "uniform"
+) -> Trace:
+    """``conversations`` conversations starting over 6,000 s.
 
     Each turn's prompt is the previous one plus 2 to 5 new blocks; the next
-    turn comes an exponential gap (mean ``mean_gap_s``) later.
+    turn comes an exponential gap (mean ``mean_gap_s``) later. ``lengths``:
+    ``"uniform"``, 3 to 8 turns (a little signal for a turn-count key); or
+    ``"geometric"``, another turn with the same chance after every turn (mean
+    :data:`GEOMETRIC_MEAN_TURNS`), so the turn count tells nothing either.
     """
+    if lengths not in LENGTHS:
+        raise ValueError(f"lengths must be one of {LENGTHS}, got {lengths!r}")
     rng = random.Random(seed)
     reqs: list[TraceRequest] = []
     next_id = 0
     for c in range(conversations):
         t = rng.uniform(0, 6000.0)
         prompt: list[int] = []
-        for k in range(rng.randint(3, 8)):
+        turns = rng.randint(3, 8) if lengths == "uniform" else 0
+        k = 0
+        while True:
             grow = rng.randint(2, 5)
             prompt = prompt + list(range(next_id, next_id + grow))
             next_id += grow
@@ -51,6 +63,9 @@ def no_signal_trace(seed: int = 0, conversations: int = 600, mean_gap_s: float =
                 )
             )
             t += rng.expovariate(1 / mean_gap_s)
+            k += 1
+            if (k == turns) if turns else rng.random() < 1 / GEOMETRIC_MEAN_TURNS:
+                break
     reqs.sort(key=lambda r: r.arrival)
     return Trace("no-signal", BLOCK_SIZE, reqs, "generated", synthetic=True)
 
