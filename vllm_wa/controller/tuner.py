@@ -31,9 +31,13 @@ with a batch-means standard error.
   the lookup-stamped six-feature candidate led by 0.54 points with a bound
   of 0.11 over 2,857 requests at 1,305 s, and ``margin`` kept the cache on
   LRU to the end (5.44 against LFU's 5.79; 6.15 with the smaller margin,
-  promoted at that look).  The margin is the extra a
-  young or thin window pays; a full window of enough requests carries its
-  risk in the bound.  On the Mooncake trace at 15 % of unique blocks
+  promoted at that look).  The margin is the extra a young or thin window
+  pays; a full window of enough requests carries its risk in the bound,
+  with the class test (``class_confidence``) keeping noise candidates at
+  LRU's order: with that test off, nine candidates compared at every refit
+  against this per-look bar promoted on noise on four seeds of six of a
+  dense memoryless trace (README, "No signal"; two with ``margin``).  On
+  the Mooncake trace at 15 % of unique blocks
   the reuse-count candidate led LRU's miniature cache by 1.0 to 1.5 points
   (standard error 0.4) from t = 2,300 s, and the mixture bar kept the real
   cache on LRU to the end.  A young window (the held-out failure) still
