@@ -64,7 +64,8 @@ def no_signal_trace(
             )
             t += rng.expovariate(1 / mean_gap_s)
             k += 1
-            if (k == turns) if turns else rng.random() < 1 / GEOMETRIC_MEAN_TURNS:
+            last = k == turns if lengths == "uniform" else rng.random() < 1 / GEOMETRIC_MEAN_TURNS
+            if last:
                 break
     reqs.sort(key=lambda r: r.arrival)
     return Trace("no-signal", BLOCK_SIZE, reqs, "generated", synthetic=True)
