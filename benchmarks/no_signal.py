@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_wa.replay.no_signal import CACHE_BLOCKS, LENGTHS, no_signal_trace, small_trace_controller
+from vllm_wa.replay.no_signal import LENGTHS, no_signal_trace, scaled_cache_blocks, small_trace_controller
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
 
 
@@ -40,19 +40,15 @@ class Job:
     conversations: int = 600
     lengths: str = "uniform"
 
-    @property
-    def cache_blocks(self) -> int:
-        """The cache scaled with the traffic (``CACHE_BLOCKS`` at 600 conversations)."""
-        return max(1, round(CACHE_BLOCKS * self.conversations / 600))
-
 
 def run_seed(job: Job) -> dict[str, Any]:
     """``lru`` and ``wa-online`` on one seed's trace."""
     trace = no_signal_trace(job.seed, conversations=job.conversations, lengths=job.lengths)
     cfg = ReplayConfig(controller_config=small_trace_controller(**job.overrides))
     setup = prepare(trace, ["lru", "wa-online"], cfg)
-    lru = run_one(setup.trace, make_policy("lru", setup), job.cache_blocks, cfg, setup.eval_start)
-    wa = run_one(setup.trace, make_policy("wa-online", setup), job.cache_blocks, cfg, setup.eval_start)
+    blocks = scaled_cache_blocks(job.conversations)
+    lru = run_one(setup.trace, make_policy("lru", setup), blocks, cfg, setup.eval_start)
+    wa = run_one(setup.trace, make_policy("wa-online", setup), blocks, cfg, setup.eval_start)
     on = wa.extra["seconds_on_candidate"]
     total = sum(on.values())
     return {
@@ -129,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"took {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            trace = {"conversations": args.conversations, "lengths": args.lengths, "cache_blocks": jobs[0].cache_blocks}
+            blocks = scaled_cache_blocks(args.conversations)
+            trace = {"conversations": args.conversations, "lengths": args.lengths, "cache_blocks": blocks}
             json.dump({"overrides": overrides, "trace": trace, "rows": rows}, f, indent=1)
     return 0
 

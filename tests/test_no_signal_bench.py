@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from vllm_wa.replay.no_signal import no_signal_trace
+from vllm_wa.replay.no_signal import CACHE_BLOCKS, no_signal_trace, scaled_cache_blocks
 
 from conftest import load_benchmark
 
@@ -87,8 +87,8 @@ def test_geometric_lengths_are_memoryless_uniform_ones_are_3_to_8():
 
 
 def test_the_cache_scales_with_the_traffic(bench, capsys):
-    assert bench.Job(0, {}).cache_blocks == 300
-    assert bench.Job(0, {}, conversations=2400, lengths="geometric").cache_blocks == 1200
+    assert scaled_cache_blocks(600) == CACHE_BLOCKS == 300
+    assert scaled_cache_blocks(2400) == 1200
     with pytest.raises(SystemExit, match="conversations"):
         bench.main(["--seeds", "0", "--conversations", "0"])
     assert "seed" not in capsys.readouterr().out

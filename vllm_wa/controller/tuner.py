@@ -36,12 +36,12 @@ with a batch-means standard error.
   with the class test (``class_confidence``) keeping noise candidates at
   LRU's order: with that test off, nine candidates compared at every refit
   against this per-look bar promoted on noise on four seeds of six of a
-  dense memoryless trace (README, "No signal"; two with ``margin``).  On
-  the Mooncake trace at 15 % of unique blocks
-  the reuse-count candidate led LRU's miniature cache by 1.0 to 1.5 points
-  (standard error 0.4) from t = 2,300 s, and the mixture bar kept the real
-  cache on LRU to the end.  A young window (the held-out failure) still
-  faces the mixture boundary.  Switches between two non-LRU candidates keep
+  dense memoryless trace, two of them past the guard-rail's bounds
+  (README, "No signal"; with ``margin`` three, one past them).  On the
+  Mooncake trace at 15 % of unique blocks the reuse-count candidate led
+  LRU's miniature cache by 1.0 to 1.5 points (standard error 0.4) from
+  t = 2,300 s, and the mixture bar kept the real cache on LRU to the end.
+  A young window (the held-out failure) still faces the mixture boundary.  Switches between two non-LRU candidates keep
   it throughout: with the full-window bar for them too, the agentic split at
   8 % switched six times instead of twice and lost 0.17 points
   (miniature-cache replay).

@@ -77,6 +77,11 @@ def no_signal_trace(
 CACHE_BLOCKS = 300
 
 
+def scaled_cache_blocks(conversations: int) -> int:
+    """The cache for a trace of ``conversations`` (``CACHE_BLOCKS`` at the default 600)."""
+    return max(1, round(CACHE_BLOCKS * conversations / 600))
+
+
 def small_trace_controller(**overrides: object) -> ControllerConfig:
     """The controller config of the no-signal runs (``overrides``: any other field)."""
     base: dict[str, object] = {
