@@ -479,6 +479,8 @@ def test_default_config_file_matches_defaults():
         ({"controller": {"class_confidence": 1.0}}, "class_confidence"),
         ({"controller": {"class_confidence": -0.5}}, "class_confidence"),
         ({"tuner": {"margin": -0.1}}, "tuner_margin"),
+        ({"tuner": {"full_window_margin": -0.1}}, "tuner_full_window_margin"),
+        ({"tuner": {"full_window_min_requests": 1.5}}, "tuner_full_window_min_requests"),
         ({"tuner": {"candidates": [{"features": ["color"]}], "initial": "lru"}}, "candidates[0].features"),
         ({"tuner": {"candidates": [{"family": "weibull"}], "initial": "lru"}}, "candidates[0].family"),
         ({"tuner": {"candidates": [{"horizon": 0}], "initial": "lru"}}, "candidates[0].horizon"),
