@@ -36,8 +36,9 @@ with a batch-means standard error.
   with the class test (``class_confidence``) keeping noise candidates at
   LRU's order: with that test off, nine candidates compared at every refit
   against this per-look bar promoted on noise on four seeds of six of a
-  dense memoryless trace, two of them past the guard-rail's bounds
-  (README, "No signal"; with ``margin`` three, one past them).  On the
+  dense memoryless trace, all four past the guard-rail's time bound and two
+  past its hit-rate bound (README, "No signal"; with ``margin`` three, one
+  past both).  On the
   Mooncake trace at 15 % of unique blocks the reuse-count candidate led
   LRU's miniature cache by 1.0 to 1.5 points (standard error 0.4) from
   t = 2,300 s, and the mixture bar kept the real cache on LRU to the end.
