@@ -38,14 +38,14 @@ with a batch-means standard error.
   against this per-look bar promoted on noise on four seeds of six of a
   dense memoryless trace, all four past the guard-rail's time bound and two
   past its hit-rate bound (README, "No signal"; with ``margin`` three, one
-  past both).  On the
-  Mooncake trace at 15 % of unique blocks the reuse-count candidate led
-  LRU's miniature cache by 1.0 to 1.5 points (standard error 0.4) from
-  t = 2,300 s, and the mixture bar kept the real cache on LRU to the end.
-  A young window (the held-out failure) still faces the mixture boundary.  Switches between two non-LRU candidates keep
-  it throughout: with the full-window bar for them too, the agentic split at
-  8 % switched six times instead of twice and lost 0.17 points
-  (miniature-cache replay).
+  past both).  On the Mooncake trace at 15 % of unique blocks the
+  reuse-count candidate led LRU's miniature cache by 1.0 to 1.5 points
+  (standard error 0.3 to 0.5) from t = 2,300 s, and the mixture bar kept
+  the real cache on LRU to the end.  A young window (the held-out failure)
+  still faces the mixture boundary.  Switches between two non-LRU
+  candidates keep it throughout: with the full-window bar for them too, the
+  agentic split at 8 % switched six times instead of twice and lost 0.17
+  points (miniature-cache replay).
 * **Demotion** is quick and one-way safe: when the one-sided lower bound of
   LRU's lead over the running candidate, over the short demotion window,
   clears ``margin`` (the bar a promotion clears the other way), the real
