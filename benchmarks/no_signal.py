@@ -27,7 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_wa.replay.no_signal import LENGTHS, no_signal_trace, scaled_cache_blocks, small_trace_controller
+from vllm_wa.replay.no_signal import (
+    CONVERSATIONS,
+    LENGTHS,
+    no_signal_trace,
+    scaled_cache_blocks,
+    small_trace_controller,
+)
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
 
 
@@ -37,7 +43,7 @@ class Job:
 
     seed: int
     overrides: dict[str, Any]
-    conversations: int = 600
+    conversations: int = CONVERSATIONS
     lengths: str = "uniform"
 
 
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0-5", help="seeds, as 0-5 or 0,3,7")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a controller config field")
-    ap.add_argument("--conversations", type=int, default=600, help="denser traffic; the cache scales with it")
+    ap.add_argument("--conversations", type=int, default=CONVERSATIONS, help="denser traffic; the cache scales with it")
     ap.add_argument("--lengths", choices=LENGTHS, default="uniform", help="geometric: the turn count tells nothing")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")

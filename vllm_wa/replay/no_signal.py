@@ -22,11 +22,12 @@ from vllm_wa.replay.trace import Trace, TraceRequest
 
 BLOCK_SIZE = 16
 LENGTHS = ("uniform", "geometric")
+CONVERSATIONS = 600  # the default trace's; CACHE_BLOCKS is sized for it
 GEOMETRIC_MEAN_TURNS = 5.5  # the uniform lengths' mean
 
 
 def no_signal_trace(
-    seed: int = 0, conversations: int = 600, mean_gap_s: float = 120.0, lengths: str = "uniform"
+    seed: int = 0, conversations: int = CONVERSATIONS, mean_gap_s: float = 120.0, lengths: str = "uniform"
 ) -> Trace:
     """``conversations`` conversations starting over 6,000 s.
 
@@ -78,8 +79,8 @@ CACHE_BLOCKS = 300
 
 
 def scaled_cache_blocks(conversations: int) -> int:
-    """The cache for a trace of ``conversations`` (``CACHE_BLOCKS`` at the default 600)."""
-    return max(1, round(CACHE_BLOCKS * conversations / 600))
+    """The cache for a trace of ``conversations`` (``CACHE_BLOCKS`` at the default ``CONVERSATIONS``)."""
+    return max(1, round(CACHE_BLOCKS * conversations / CONVERSATIONS))
 
 
 def small_trace_controller(**overrides: object) -> ControllerConfig:
