@@ -87,6 +87,75 @@ def test_bailian_malformed_line_names_file_and_line(tmp_path, bad, msg):
     assert tr.skipped_lines == 1 and len(tr.requests) == 2
 
 
+def test_duplicate_chat_ids_and_broken_prefix_chains_are_refused_or_skipped(tmp_path):
+    """Both crashed a replay mid-sweep (a request id held twice; a block held
+    twice by one prompt), and broken chains made the two engines disagree."""
+    cases = {
+        "dup": [bailian_line(chat=1, hashes=(1, 2, 3)), bailian_line(chat=1, ts=1.0, hashes=(1, 2, 3)),
+                bailian_line(chat=2, ts=2.0, hashes=(1, 2, 4))],
+        "repeat": [bailian_line(chat=1, hashes=(1, 2, 3)), bailian_line(chat=2, ts=1.0, hashes=(5, 5, 5)),
+                   bailian_line(chat=3, ts=2.0, hashes=(1, 2, 4))],
+        "moved": [bailian_line(chat=1, hashes=(1, 2, 3)), bailian_line(chat=2, ts=1.0, hashes=(8, 2, 9)),
+                  bailian_line(chat=3, ts=2.0, hashes=(1, 2, 4))],
+    }
+    for name, lines in cases.items():
+        p = tmp_path / f"{name}.jsonl"
+        p.write_text("\n".join(lines) + "\n")
+        with pytest.raises(TraceFormatError, match="appears twice|prefix rule"):
+            load_trace(str(p), "bailian")
+        tr = load_trace(str(p), "bailian", skip_bad=True)
+        assert tr.skipped_lines == 1 and [r.request_id for r in tr.requests] == ["1", ("2" if name == "dup" else "3")]
+    for policy in ("lru", "fifo", "wa-offline"):
+        for engine in ("fast", "vllm"):
+            r = run_one(tr, ReplayPolicy(policy), 8, ReplayConfig(profile_fraction=0.0, engine=engine), eval_start=0.0)
+            assert r.hit_blocks == 2
+
+
+def test_unreadable_files_and_options_get_clear_errors(tmp_path):
+    trunc = tmp_path / "t.jsonl.gz"
+    with gzip.open(trunc, "wt") as f:
+        f.write("\n".join(bailian_line(chat=i, ts=float(i)) for i in range(200)))
+    trunc.write_bytes(trunc.read_bytes()[:60])
+    corrupt = tmp_path / "c.jsonl.xz"
+    corrupt.write_bytes(b"\xfd7zXZ\x00garbage" * 4)
+    for path in (trunc, corrupt):
+        with pytest.raises(TraceFormatError, match="cannot read"):
+            load_trace(str(path))
+    latin = tmp_path / "l.jsonl"
+    latin.write_bytes((bailian_line() + "\n").encode() + b'{"chat_id": 2, "type": "\xff"}\n'
+                      + (bailian_line(chat=3, ts=1.0) + "\n").encode())
+    with pytest.raises(TraceFormatError, match="l.jsonl:2"):
+        load_trace(str(latin), "bailian")
+    assert load_trace(str(latin), "bailian", skip_bad=True).skipped_lines == 1
+    for bad in (AgenticOptions(window=float("nan")), AgenticOptions(window=-1.0), AgenticOptions(max_conversations=-2)):
+        with pytest.raises(ValueError):
+            load_trace(AGENTIC, "agentic", agentic=bad)
+    with pytest.raises(ValueError, match="percent"):
+        resolve_sizes("inf%", load_trace(MOONCAKE), 0.0)
+    with pytest.raises(ValueError, match="window seconds"):
+        ReplayConfig(window_seconds=float("nan"))
+
+
+def test_agentic_ids_past_their_namespace_are_refused(tmp_path):
+    d = tmp_path / "convs"
+    d.mkdir()
+    for i, ids in enumerate(([1, 2 << 40], [1 << 40])):
+        (d / f"trace_{i}.json").write_text(json.dumps({"block_size": 64, "requests": [
+            {"t": 0, "type": "n", "in": 64 * len(ids), "out": 5, "hash_ids": ids, "input_types": ["text"]}]}))
+    with pytest.raises(TraceFormatError, match="2\\*\\*40"):
+        load_trace(str(d), "agentic")
+
+
+def test_synth_writes_the_compression_its_name_says(tmp_path):
+    from vllm_wa.replay.synth import SynthConfig, write_trace
+
+    cfg = replace(SynthConfig.bailian_a(), duration_s=30.0)
+    for suffix in (".jsonl.xz", ".jsonl.bz2", ".jsonl.gz", ".jsonl"):
+        path = str(tmp_path / f"s{suffix}")
+        n = write_trace(cfg, path)
+        assert n > 0 and len(load_trace(path).requests) == n
+
+
 def test_mooncake_loader_and_detection(tmp_path):
     tr = load_trace(MOONCAKE)
     assert tr.fmt == "mooncake" and tr.block_size == 512 and len(tr.requests) == 2500
@@ -132,16 +201,46 @@ def test_agentic_loader_offsets_tags_outcomes(agentic):
     assert all(r.arrival < 7200 for r in tr.requests)
     # Most requests record their service time (api_time); the rest use the throughput model.
     assert sum(r.service_time is not None for r in tr.requests) > 0.5 * len(tr.requests)
-    # Hash namespaces differ per conversation.
-    by_conv: dict[int, set[int]] = {}
+    # Hash namespaces differ per conversation file (a sub-agent shares its parent's).
+    by_conv: dict[str, set[int]] = {}
     for r in tr.requests:
-        by_conv.setdefault(abs(r.conversation), set()).update(r.hash_ids)
+        by_conv.setdefault(r.request_id.split("#")[0].split("/")[0], set()).update(r.hash_ids)
     convs = list(by_conv.values())
     assert all(not (convs[0] & c) for c in convs[1:])
     again = load_trace(AGENTIC, agentic=AgenticOptions(max_conversations=12, seed=1))
     assert [r.arrival for r in again.requests] == [r.arrival for r in tr.requests]
     other = load_trace(AGENTIC, agentic=AgenticOptions(max_conversations=12, seed=2))
     assert [r.arrival for r in other.requests] != [r.arrival for r in tr.requests]
+
+
+def test_agentic_sub_agents_run_from_their_start_as_conversations_of_their_own(tmp_path):
+    """A sub-agent's requests count ``t`` from its entry's ``t`` in the parent
+    (upstream's flatten_requests: ``base_time + req['t']``), and each sub-agent
+    is a conversation of its own."""
+    def req(t, ids):
+        return {"t": t, "type": "n", "in": 64 * len(ids), "out": 5, "hash_ids": ids, "input_types": ["text"]}
+
+    def sub(t, ids):
+        return {"t": t, "type": "subagent", "requests": [req(0.0, ids), req(4.0, ids + [ids[-1] + 90])]}
+
+    d = tmp_path / "convs"
+    d.mkdir()
+    (d / "trace_0001.json").write_text(json.dumps({"block_size": 64, "requests": [
+        req(0.0, [1, 2]), sub(100.0, [7, 8]), sub(250.0, [7, 9]), req(300.0, [1, 2, 3]),
+    ]}))
+    (d / "trace_0002.json").write_text(json.dumps({"block_size": 64, "requests": [req(10.0, [1])]}))
+    tr = load_trace(str(d), "agentic", agentic=AgenticOptions(window=0.0))
+    at = {r.request_id: (r.arrival, r.conversation) for r in tr.requests}
+    parent = at["trace_0001.json#0"][1]
+    assert at["trace_0001.json#3"] == (300.0, parent)
+    assert [at["trace_0001.json/sub1#0"][0], at["trace_0001.json/sub1#1"][0]] == [100.0, 104.0]
+    assert [at["trace_0001.json/sub2#0"][0], at["trace_0001.json/sub2#1"][0]] == [250.0, 254.0]
+    convs = [at[k][1] for k in ("trace_0001.json#0", "trace_0001.json/sub1#0", "trace_0001.json/sub2#0", "trace_0002.json#0")]
+    assert len(set(convs)) == 4 and min(convs) >= 0
+    assert at["trace_0001.json/sub1#1"][1] == at["trace_0001.json/sub1#0"][1]
+    # A sub-agent past the cut is dropped from its own start on.
+    cut = load_trace(str(d), "agentic", agentic=AgenticOptions(window=0.0, cut=252.0))
+    assert sorted(r.arrival for r in cut.requests) == [0.0, 10.0, 100.0, 104.0, 250.0]
 
 
 def test_agentic_malformed_conversation(tmp_path):
@@ -482,6 +581,36 @@ def test_cli_reports_bad_traces_clearly(tmp_path, capsys):
     bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "nope"}\n')
     assert cli_main(["replay", str(bad), "--format", "mooncake", "--cache-blocks", "10", "--no-cache"]) == 2
     assert "x.jsonl:1" in capsys.readouterr().err
+
+
+def test_cli_keeps_traces_of_one_name_apart_and_checks_outputs_first(tmp_path, capsys):
+    paths = []
+    for i, d in enumerate(("d1", "d2")):
+        (tmp_path / d).mkdir()
+        p = tmp_path / d / "trace.jsonl"
+        p.write_text("\n".join(bailian_line(chat=c, ts=float(c), n_in=32, hashes=(c % (3 + i), 100 + c))
+                               for c in range(40)))
+        paths.append(str(p))
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", *paths, "--policies", "lru", "--cache-blocks", "4", "--no-cache", "--jobs", "1",
+                     "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert len(meta["unique_blocks_eval"]) == 2 and len(meta["profile_fraction"]) == 2
+    with pytest.raises(SystemExit, match="not a writable directory"):
+        cli_main(["replay", paths[0], "--cache-blocks", "4", "--no-cache", "--json", str(tmp_path / "no" / "r.json")])
+
+
+def test_cli_profile_relative_default_is_the_first_half(tmp_path):
+    p = tmp_path / "b.jsonl"
+    # The first half reuses a text prompt, the second a file prompt.
+    p.write_text("\n".join(bailian_line(chat=c, ts=1000.0 + c, n_in=16, typ="text" if c < 10 else "file",
+                                         hashes=(1 if c < 10 else 2,)) for c in range(20)))
+    outs = []
+    for extra in ([], ["--relative"]):
+        out = tmp_path / f"p{len(extra)}.json"
+        assert cli_main(["profile", str(p), "--no-cache", "--out", str(out), *extra]) == 0
+        outs.append(json.loads(out.read_text()))
+    assert outs[0] == outs[1] and set(outs[0]["a"]) == {"text_1"}
 
 
 def test_resolve_sizes(agentic):

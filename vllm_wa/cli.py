@@ -100,9 +100,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     choices: dict[str, dict] = {}
     timing: dict[str, dict[str, float]] = {}
     t_start = time.perf_counter()
+    check_outputs(args.json, args.plot)
+    used_fraction: dict[str, float] = {}
     for path in args.traces:
         t0 = time.perf_counter()
         trace = _load(path, args)
+        if trace.name in unique:  # two traces of one file name: keep both apart in the table and JSON
+            trace.name = f"{trace.name} ({path})"
         _progress(
             f"[{path}] {len(trace.requests)} requests, {trace.block_size}-token blocks"
             + (f", {trace.skipped_lines} bad records skipped" if trace.skipped_lines else "")
@@ -116,6 +120,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         else:
             setup = prepare(trace, policies, cfg)
         unique[trace.name] = setup.trace.unique_blocks(since=setup.eval_start)
+        used_fraction[trace.name] = setup.cfg.profile_fraction
         sizes = resolve_sizes(args.cache_blocks, setup.trace, setup.eval_start)
         _progress(
             f"[{path}] evaluation window from t={setup.eval_start:.0f}s: {unique[trace.name]} unique blocks; "
@@ -182,7 +187,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "policies": policies,
         "cache_blocks": args.cache_blocks,
         "engine": args.engine,
-        "profile_fraction": args.profile_fraction,
+        "profile_fraction": used_fraction,
         "seed": args.seed,
         "tag_swap": args.tag_swap,
         "unique_blocks_eval": unique,
@@ -200,6 +205,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_outputs(json_path: str | None, plot_path: str | None) -> None:
+    """Refuse before a sweep, not after it, when its results could not be written."""
+    for path in (json_path, plot_path):
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise SystemExit(f"cannot write {path}: {folder} is not a writable directory")
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+
+
 def _setting(r) -> str:
     knob = r.extra.get("knob")
     return f"{knob}={r.extra['setting']:g}" if knob else ""
@@ -209,8 +228,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from vllm_wa.replay.profile import profile_trace
 
     trace = _load(args.trace, args)
-    until = args.until if args.until is not None else trace.eval_start(0.5)
-    params = profile_trace(trace, trace.start + until if args.relative else until)
+    if args.until is None:
+        until = trace.eval_start(0.5)  # already on the trace's clock
+    else:
+        until = trace.start + args.until if args.relative else args.until
+    params = profile_trace(trace, until)
     text = json.dumps(params.to_pr_json(), indent=1)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
+import itertools
 import json
 import lzma
 import math
@@ -21,6 +22,8 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
+
+import numpy as np
 
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
@@ -52,14 +55,24 @@ class AgenticOptions:
     seed: int = 0
 
 
-def _open_text(path: str) -> IO[str]:
+# Agentic conversations' hash ids live in namespaces of 2**40 ids each.
+_NAMESPACE = 1 << 40
+# What a damaged compressed or non-UTF-8 file raises while it is read.
+_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError)
+
+
+def _open_binary(path: str) -> IO[bytes]:
     if path.endswith(".xz"):
-        return io.TextIOWrapper(lzma.open(path, "rb"), encoding="utf-8")
+        return lzma.open(path, "rb")
     if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+        return gzip.open(path, "rb")
     if path.endswith(".bz2"):
-        return io.TextIOWrapper(bz2.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return bz2.open(path, "rb")
+    return open(path, "rb")
+
+
+def _open_text(path: str) -> IO[str]:
+    return io.TextIOWrapper(_open_binary(path), encoding="utf-8")
 
 
 def detect_format(path: str) -> str:
@@ -73,7 +86,7 @@ def detect_format(path: str) -> str:
             first = f.readline().strip()
             if path.endswith(".json") and not first.endswith("}"):
                 return "agentic"
-    except OSError as e:
+    except _READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
     try:
         rec = json.loads(first)
@@ -115,7 +128,7 @@ def load_trace(
     elif fmt == "served":
         try:
             trace = load_served(path)
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             raise TraceFormatError(path, f"not a readable bench-serve result: {e!r}") from None
     else:
         raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
@@ -134,13 +147,15 @@ def cut_trace(trace: Trace, cut: float) -> Trace:
 # ---- JSON lines ----------------------------------------------------------------------------
 
 
-def _json_lines(path: str) -> Iterator[tuple[int, str]]:
+def _json_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """Non-blank lines as bytes: ``json.loads`` decodes each one, so a line
+    that is not UTF-8 is one bad record (skipped with ``--skip-bad``)."""
     try:
-        with _open_text(path) as f:
+        with _open_binary(path) as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     yield lineno, line
-    except (OSError, EOFError, lzma.LZMAError) as e:
+    except _READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
 
 
@@ -157,18 +172,59 @@ def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0) -> array:
     if not isinstance(v, list) or not v:
         raise ValueError(f"field {key!r} must be a non-empty list of integers")
     try:
-        out = array("q", v if not offset else [offset | h for h in v])
+        out = array("q", v)
     except (TypeError, OverflowError) as e:
         raise ValueError(f"field {key!r} must hold integers: {e}") from None
-    if min(out) < offset:
+    if min(out) < 0:
         raise ValueError(f"field {key!r} holds a negative id")
+    if offset:
+        if max(out) >= _NAMESPACE:
+            raise ValueError(f"field {key!r} holds an id of 2**40 or more (ids are namespaced per conversation above it)")
+        out = array("q", [offset | h for h in out])
     return out
 
 
-def _finish(name: str, block_size: int, fmt: str, reqs: list[TraceRequest], skipped: int, path: str) -> Trace:
+def broken_chains(reqs: list[TraceRequest]) -> np.ndarray:
+    """Indexes of the requests whose hash ids break the prefix rule.
+
+    A block id names a prefix: wherever it appears, the same id precedes it
+    (none for a prompt's first block), so no id repeats within a prompt.
+    Every policy and both engines rely on it (a hit in the middle of a prompt
+    would hold a block twice); every real trace at hand keeps it (the agentic
+    split's 2.6 M ids, Mooncake's 183 k). An id's first appearance sets its
+    predecessor; a request that gives it another one breaks the rule.
+    """
+    if not reqs:
+        return np.zeros(0, dtype=np.intp)
+    lens = np.fromiter((len(r.hash_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+    flat = np.concatenate([np.frombuffer(r.hash_ids, dtype=np.int64) for r in reqs])
+    _, first, dense = np.unique(flat, return_index=True, return_inverse=True)
+    pred = np.empty_like(dense)
+    pred[1:] = dense[:-1]
+    pred[np.cumsum(lens) - lens] = -1
+    bad = pred[first][dense] != pred
+    return np.unique(np.repeat(np.arange(len(reqs)), lens)[bad])
+
+
+def _finish(
+    name: str, block_size: int, fmt: str, reqs: list[TraceRequest], skipped: int, path: str, skip_bad: bool = False
+) -> Trace:
     if not reqs:
         raise TraceFormatError(path, "no usable requests")
     reqs.sort(key=lambda r: r.arrival)
+    while len(bad := broken_chains(reqs)):
+        if not skip_bad:
+            r = reqs[int(bad[0])]
+            raise TraceFormatError(
+                path,
+                f"request {r.request_id} (at {r.arrival:g} s) breaks the prefix rule: one of its hash ids "
+                "repeats in it or follows another id than where it first appeared (--skip-bad skips such requests)",
+            )
+        drop = set(bad.tolist())
+        reqs = [r for i, r in enumerate(reqs) if i not in drop]
+        skipped += len(drop)
+        if not reqs:
+            raise TraceFormatError(path, "no usable requests")
     return Trace(name, block_size, reqs, fmt, skipped_lines=skipped)
 
 
@@ -181,6 +237,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     reqs: list[TraceRequest] = []
     skipped = 0
     root_of: dict[int, int] = {}
+    seen: set[int] = set()
     synthetic = False
     for lineno, line in _json_lines(path):
         try:
@@ -201,11 +258,14 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
                 raise ValueError(
                     f"len(hash_ids)={len(hashes)} but ceil(input_length/16)={math.ceil(n_in / BAILIAN_BLOCK)}"
                 )
+            if chat in seen:
+                raise ValueError(f"chat_id {chat} appears twice (it names one request)")
         except (ValueError, json.JSONDecodeError) as e:
             if skip_bad:
                 skipped += 1
                 continue
             raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
+        seen.add(chat)
         synthetic = synthetic or bool(rec.get("synthetic"))
         root = root_of.get(parent, parent) if parent >= 0 else chat
         root_of[chat] = root
@@ -220,7 +280,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
                 conversation=root,
             )
         )
-    trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path)
+    trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path, skip_bad)
     trace.synthetic = synthetic
     trace.conversations = True
     return trace
@@ -253,7 +313,7 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
                 output_tokens=n_out,
             )
         )
-    return _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path)
+    return _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path, skip_bad)
 
 
 # ---- agentic-coding conversations -----------------------------------------------------------
@@ -295,7 +355,14 @@ def _agentic_tag(req: dict) -> str:
 
 
 def _agentic_requests(
-    reqs: Any, where: str, conv: int, offset: float, namespace: int, opts: AgenticOptions, out: list[TraceRequest]
+    reqs: Any,
+    where: str,
+    conv: int,
+    offset: float,
+    namespace: int,
+    opts: AgenticOptions,
+    out: list[TraceRequest],
+    sub_ids: Iterator[int],
 ) -> None:
     if not isinstance(reqs, list):
         raise ValueError("'requests' must be a list")
@@ -303,9 +370,13 @@ def _agentic_requests(
         if not isinstance(r, dict):
             raise ValueError(f"request {i} is not an object")
         if r.get("type") == "subagent":
-            # A nested sub-agent run: its own conversation, its parent's clock.
+            # A nested sub-agent run: a conversation of its own (as upstream's
+            # replayer runs it, one user per sub-agent), in its parent's hash
+            # namespace, whose requests' ``t`` count from the sub-agent's start,
+            # the ``t`` of this entry in the parent.
+            start = offset + _float_field(r, "t")
             sub = r.get("requests")
-            _agentic_requests(sub, f"{where}/sub{i}", -conv - 1, offset, namespace, opts, out)
+            _agentic_requests(sub, f"{where}/sub{i}", next(sub_ids), start, namespace, opts, out, sub_ids)
             continue
         t = _float_field(r, "t")
         arrival = offset + t
@@ -333,9 +404,15 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
 
     Each conversation gets a seeded start offset uniform in ``[0, window]``;
     request time = offset + ``t``; requests at or after ``cut`` are dropped.
-    Hash ids are namespaced per conversation file.
+    A sub-agent run is a conversation of its own that starts at its entry's
+    ``t`` in the parent (its requests' ``t`` count from there). Hash ids are
+    namespaced per conversation file, sub-agents included.
     """
     opts = opts or AgenticOptions()
+    check_number("agentic window (seconds)", opts.window, ge=0)
+    check_number("agentic cut (seconds)", opts.cut, gt=0)
+    if opts.max_conversations is not None:
+        check_number("conversations", opts.max_conversations, ge=1, integer=True)
     files = list(_conversation_files(path))
     if not files:
         raise TraceFormatError(path, "no trace_*.json conversations found")
@@ -346,6 +423,7 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
     reqs: list[TraceRequest] = []
     skipped = 0
     block_size = None
+    sub_ids = itertools.count(len(files))  # sub-agents' conversation ids, after the files'
     for conv, ((where, raw), offset) in enumerate(zip(files, offsets)):
         try:
             doc = json.loads(raw)
@@ -357,14 +435,16 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
             elif bs != block_size:
                 raise ValueError(f"block_size {bs} differs from earlier conversations' {block_size}")
             part: list[TraceRequest] = []
-            _agentic_requests(doc["requests"], os.path.basename(where), conv, offset, (conv + 1) << 40, opts, part)
+            _agentic_requests(
+                doc["requests"], os.path.basename(where), conv, offset, (conv + 1) * _NAMESPACE, opts, part, sub_ids
+            )
         except (ValueError, json.JSONDecodeError) as e:
             if skip_bad:
                 skipped += 1
                 continue
             raise TraceFormatError(where, str(e)) from None
         reqs.extend(part)
-    trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path)
+    trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path, skip_bad)
     trace.conversations = True
     trace.notes.append(
         f"{len(files)} conversations, offsets uniform in [0, {opts.window:g}] s (seed {opts.seed}), cut at {opts.cut:g} s"

@@ -142,7 +142,10 @@ def plot(results: Sequence[RunResult], path: str, title: str = "") -> None:
         ax.legend()
         if windows:
             ax2 = axes[1][col]
-            size = min(r.cache_blocks for r in rs if r.windows and r.policy != "infinite")
+            sized = [r.cache_blocks for r in rs if r.windows and r.policy != "infinite"]
+            if not sized:  # only the infinite cache has windows: nothing to compare over time
+                continue
+            size = min(sized)
             for r in rs:
                 if r.windows and r.cache_blocks == size:
                     ax2.plot(

@@ -31,6 +31,7 @@ from vllm_wa.replay.profile import profile_trace
 from vllm_wa.replay.progress import REPORT_EVERY, ProgressBoard, RunReporter
 from vllm_wa.replay.trace import Trace, renumber_ids
 from vllm_wa.sim.clock import SettableClock
+from vllm_wa.validation import check_number
 
 
 @dataclass
@@ -81,8 +82,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.profile_fraction < 1.0:
             raise ValueError(f"profile fraction must be in [0, 1), got {self.profile_fraction}")
-        if self.window_seconds is not None and self.window_seconds <= 0:
-            raise ValueError("window seconds must be positive")
+        if self.window_seconds is not None:
+            check_number("window seconds", self.window_seconds, gt=0)
 
 
 def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
@@ -432,9 +433,7 @@ def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
         if part.endswith("%"):
             if unique is None:
                 unique = trace.unique_blocks(since=eval_start)
-            frac = float(part[:-1]) / 100.0
-            if not 0 < frac:
-                raise ValueError(f"cache size {part!r} must be positive")
+            frac = check_number(f"cache size {part!r} (percent)", float(part[:-1]), gt=0) / 100.0
             sizes.append(max(2, int(math.ceil(unique * frac))))
         else:
             n = int(part)

@@ -102,6 +102,8 @@ def load_served(path: str) -> Trace:
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path}: not a bench-serve result")
     bs = int(d["block_size"])
+    if bs < 1:
+        raise ValueError(f"{path}: block_size must be a positive integer, got {bs}")
     reqs = []
     failed = 0
     for rec in d.get("requests", []):

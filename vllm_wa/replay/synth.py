@@ -26,9 +26,11 @@ are published figures; token lengths, turn counts and spreads are guesses.
 from __future__ import annotations
 
 import bisect
+import bz2
 import gzip
 import heapq
 import json
+import lzma
 import math
 import random
 from collections.abc import Iterator, Mapping
@@ -325,7 +327,8 @@ def generate(config: SynthConfig) -> Iterator[dict]:
 
 
 def write_trace(config: SynthConfig, path: str) -> int:
-    """Write :func:`generate`'s records as JSON lines (gzip if ``path`` ends in .gz).
+    """Write :func:`generate`'s records as JSON lines, compressed as the name
+    says (.gz, .xz, .bz2; the loaders read those by name too).
 
     Written to a temporary file and renamed, so a failed run leaves no
     partial trace behind.  Returns the number of records.
@@ -333,6 +336,10 @@ def write_trace(config: SynthConfig, path: str) -> int:
     n = 0
     if path.endswith(".gz"):
         out = atomic_write(path, "wt", opener=gzip.open, encoding="utf-8", compresslevel=6)
+    elif path.endswith(".xz"):
+        out = atomic_write(path, "wt", opener=lzma.open, encoding="utf-8")
+    elif path.endswith(".bz2"):
+        out = atomic_write(path, "wt", opener=bz2.open, encoding="utf-8")
     else:
         out = atomic_write(path, "w", encoding="utf-8")
     with out as f:

@@ -14,7 +14,7 @@ from vllm_wa.replay.loaders import AgenticOptions, load_trace
 from vllm_wa.replay.trace import Trace
 
 logger = logging.getLogger(__name__)
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def cache_dir() -> str:
