@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from conftest import make_manager
 from vllm_wa.controller.config import ControllerConfig
@@ -86,8 +87,16 @@ class Engine:
         return True
 
 
+def over_the_wire(obj: Any) -> Any:
+    """``obj`` after vLLM's msgpack channel between API server and engine core
+    (what cannot cross it raises here, as it does there)."""
+    return MsgpackDecoder().decode(MsgpackEncoder().encode(obj))
+
+
 class InProcessEngineClient:
-    """Stands in for vLLM's engine client: utility calls run the engine-side functions."""
+    """Stands in for vLLM's engine client: utility calls run the engine-side
+    functions, their arguments and results encoded and decoded by vLLM's own
+    msgpack serializer on the way."""
 
     def __init__(self, engines: list[Engine]) -> None:
         self.engines = engines
@@ -97,7 +106,7 @@ class InProcessEngineClient:
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
         self.calls[method] += 1
         fn = engine_side._UTILITIES[method]
-        return [fn(e.core, *args) for e in self.engines]
+        return [over_the_wire(fn(e.core, *over_the_wire(list(args)))) for e in self.engines]
 
 
 def make_app(

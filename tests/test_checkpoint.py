@@ -103,6 +103,11 @@ def _crafted(saved_data) -> list:
                                                                               "censored": [0] * NUM_BINS})]}),
         json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, 0, *FOLD], {"events": [-1] * NUM_BINS,
                                                                               "censored": [0] * NUM_BINS})]}),
+        # Counts near the float limit: their sums overflow to inf, which /wa/params cannot answer.
+        json.dumps({**good, "classes": [_class_entry(["t", "stop", 0, 0, *FOLD], {"events": [1e308] * NUM_BINS,
+                                                                              "censored": [0] * NUM_BINS})]}),
+        # A version past 2**63 - 1 cannot cross vLLM's msgpack channel to the API server.
+        json.dumps({**good, "params": {**good["params"], "version": 2**64}}),
         json.dumps({**good, "classes": [_class_entry([f"t{i}", "stop", 0, 0, *FOLD]) for i in range(5000)]}),
         json.dumps({**good, "classes": {"not": "a list"}}),
         json.dumps({**good, "active": ["unhashable"]}),

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams
+from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams, params_changed
 from vllm_wa.workload_classes import ClassRegistry, TagCounters, normalize_tag
 
 
@@ -59,6 +59,9 @@ def test_mixture_round_trip_and_effective_rate():
         ({"a": {"x": 1.0}, "p": {"x": 0.5}, "L": 0}, "positive"),
         ({"a": {"x": 1.0}, "p": {"x": 0.5}, "mode": "lfu"}, "mode"),
         ({"a": {"x": 1.0}, "p": {"x": 0.5}, "mixture": {"x": [[0.7, 1.0], [0.6, 2.0]]}}, "sum"),
+        ({"a": {"x": 1.0}, "p": {"x": 0.5}, "version": 2**63}, "version"),
+        ({"a": {"x": 1.0}, "p": {"x": 0.5}, "default": {"p": 0.5, "a": 1.0, "w": 3}}, "exactly 'p' and 'a'"),
+        ({"a": {"x": 1.0}, "p": {"x": 0.5}, "default": {"p": 0.5}}, "exactly 'p' and 'a'"),
         ("{not json", "does not parse"),
         ([1, 2], "object"),
     ],
@@ -66,6 +69,26 @@ def test_mixture_round_trip_and_effective_rate():
 def test_bad_params_are_rejected_with_a_clear_message(bad, msg):
     with pytest.raises(ParamsError, match=msg):
         WAParams.from_pr_json(bad)
+
+
+def test_numbers_are_floats_and_versions_fit_int64():
+    """Integers of any size are valid numbers in JSON; what the parameters keep
+    must still cross vLLM's msgpack channel (ints up to 2**64 - 1 only)."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    big = 2**70
+    p = WAParams.from_pr_json({"a": {"x": big}, "p": {"x": 1}, "L": big, "version": 2**63 - 1,
+                               "mixture": {"x": [[1, big]]}, "default": {"p": 0, "a": big}})
+    assert type(p.horizon) is float and p.horizon == float(big)
+    assert all(type(v) is float for m in (*p.models.values(), p.default) for v in m.weights + m.rates)
+    wire = MsgpackDecoder().decode(MsgpackEncoder().encode(p.to_pr_json()))
+    assert WAParams.from_pr_json(wire) == p
+
+
+def test_params_changed_sees_the_stamp():
+    p = WAParams.from_pr_json({"a": {"x": 0.1}, "p": {"x": 0.5}})
+    assert not params_changed(p, p.evolve(version=3), 0.01)
+    assert params_changed(p, p.evolve(stamp="lookup"), 0.01)
 
 
 def test_load_names_the_file(tmp_path):

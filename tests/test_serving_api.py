@@ -104,6 +104,64 @@ def test_a_pin_shows_in_the_next_get(engine):
         assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["mode"] == "pinned"
 
 
+def test_pins_cross_vllms_msgpack_channel_as_parsed(engine):
+    """Integers of any size are valid JSON numbers: the engines get the parsed
+    pin (floats), never the client's raw body, so a pin never fails to encode."""
+    app, client, _ = make_app([engine], SETTINGS)
+    big = 2**64
+    bodies = [
+        {"params": {"a": {"agent_1": big}, "p": {"agent_1": 1}, "L": big}},
+        {"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}, "mixture": {"agent_1": [[1, big]]}}},
+    ]
+    with TestClient(app) as http:
+        for body in bodies:
+            r = http.put("/wa/params", json=body, headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert engine.controller.pinned.horizon == float(body["params"].get("L", 5.0))
+        r = http.put("/wa/params", json={"params": {"a": {}, "p": {}, "version": big}}, headers=AUTH)
+        assert r.status_code == 422 and "version" in r.json()["error"]
+        odd_default = {"a": {}, "p": {}, "default": {"a": 1.0, "p": 0.5, "\ud800": 0}}
+        r = http.put("/wa/params", content=json.dumps({"params": odd_default}),
+                     headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 422 and "exactly 'p' and 'a'" in r.json()["error"]
+        assert http.get("/wa/params", headers=AUTH).status_code == 200
+    assert client.calls["wa_set_params"] == len(bodies)
+
+
+def test_a_repin_that_changes_only_the_stamp_or_a_little_is_applied(engine):
+    app, _, _ = make_app([engine], SETTINGS)
+    base = {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}
+    with TestClient(app) as http:
+        assert http.put("/wa/params", json={"params": base}, headers=AUTH).status_code == 200
+        assert engine.handle.queue.params.stamp == "free"
+        assert http.put("/wa/params", json={"params": {**base, "stamp": "lookup"}}, headers=AUTH).status_code == 200
+        assert engine.handle.queue.params.stamp == "lookup"
+        nudged = {"a": {"agent_1": 0.2 * 1.001}, "p": {"agent_1": 0.9}, "stamp": "lookup"}  # within swap_tolerance
+        assert http.put("/wa/params", json={"params": nudged}, headers=AUTH).status_code == 200
+        assert engine.handle.queue.params.model_for("agent_1").a == pytest.approx(0.2 * 1.001, rel=1e-12)
+
+
+def test_unreachable_engines_give_503_not_500(engine):
+    app, client, _ = make_app([engine], SETTINGS)
+
+    async def down(method, *args):
+        raise ConnectionError("engine core gone")
+
+    client.call_utility_all_async = down
+    with TestClient(app, raise_server_exceptions=False) as http:
+        r = http.put("/wa/params", json={"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}}, headers=AUTH)
+    assert r.status_code == 503 and "did not answer" in r.json()["error"]
+
+
+def test_get_answers_non_finite_numbers_as_null(engine):
+    app, _, snapshots = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        http.get("/wa/params", headers=AUTH)
+        snapshots.engines[0]["state"]["odd"] = [float("inf"), {"x": float("nan")}, 1.5]
+        r = http.get("/wa/params", headers=AUTH)
+    assert r.status_code == 200 and r.json()["engines"][0]["odd"] == [None, {"x": None}, 1.5]
+
+
 # ---- defect 8: PUT body handling -----------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
 from vllm_wa.serving.engine_side import EngineWA, external_request_id
 from vllm_wa.serving.pin_request import parse_pin_request
+from vllm_wa.serving import settings as settings_mod
 from vllm_wa.serving.settings import ServingSettings
 
 
@@ -227,3 +228,23 @@ def test_refit_fault_hook_is_off_by_default_and_counted_when_on(monkeypatch):
     for _ in range(4):
         c.refit()
     assert c.errors == 2 and c.refits == 2 and "InjectedFault" in c.last_error
+
+
+def test_extra_api_servers_install_the_outcome_hints_they_serve():
+    """With ``--api-server-count`` > 1 the ``ApiServer_N`` processes serve HTTP:
+    the benchmark's outcome hints must be installed there too, not only in the
+    parent that parsed the flags."""
+    code = (
+        "import multiprocessing;"
+        "multiprocessing.current_process().name = 'ApiServer_0';"
+        "from vllm_wa.serving.plugin import register; register();"
+        "from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion as C;"
+        "print('hints', hasattr(C.create_completion, '__vllm_wa_outcome_hints__'))"
+    )
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_WA_")}
+    for flag, want in (("1", "hints True"), ("0", "hints False")):
+        env = {**base, settings_mod.ENV_ONLINE: "1", settings_mod.ENV_BENCH_OUTCOME_HINTS: flag}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
+                             check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert want in out.stdout

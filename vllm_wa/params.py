@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from vllm_wa.validation import check_number
+from vllm_wa.validation import check_number, short_repr
 from vllm_wa.workload_classes import MAX_CLASS_NAME_LENGTH, is_valid_class_name
 
 SCORE_MODES = ("pr", "posterior", "density")
@@ -42,6 +42,9 @@ STAMPS = ("free", "lookup")
 # Keys of the PR JSON format, with this project's extensions (see to_pr_json).
 _PR_JSON_KEYS = frozenset({"a", "p", "L", "mode", "mixture", "default", "version", "stamp"})
 DEFAULT_HORIZON_S = 5.0
+# Parameter versions fit a signed 64-bit integer: vLLM's msgpack channel
+# between engine and API server carries nothing larger.
+MAX_VERSION = 2**63 - 1
 _NEG_INF = float("-inf")
 # Upper bound of the idle-time search when inverting a score (about 30 years).
 _MAX_IDLE_S = 1e9
@@ -74,10 +77,9 @@ class ReuseModel:
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.rates) or not self.weights:
             raise ParamsError("a reuse model needs as many weights as rates, at least one")
-        for w in self.weights:
-            _check_number("reuse probability", w, hi=1.0)
-        for a in self.rates:
-            _check_number("reuse rate", a)
+        # Stored as floats, whatever numbers came in (see WAParams.horizon).
+        object.__setattr__(self, "weights", tuple(_check_number("reuse probability", w, hi=1.0) for w in self.weights))
+        object.__setattr__(self, "rates", tuple(_check_number("reuse rate", a) for a in self.rates))
         total = math.fsum(self.weights)
         if total > 1.0 + 1e-9:
             raise ParamsError(f"reuse probabilities sum to {total} > 1")
@@ -253,15 +255,22 @@ class WAParams:
                 raise ParamsError(f"model of class {name!r} is not a ReuseModel")
         if not isinstance(self.default, ReuseModel):
             raise ParamsError("default must be a ReuseModel")
-        _check_number("L (horizon)", self.horizon)
+        # A float, whatever number came in: an int past 2**64 would not cross
+        # vLLM's msgpack channel (the snapshot that carries it kills the
+        # engine's output thread).
+        object.__setattr__(self, "horizon", _check_number("L (horizon)", self.horizon))
         if self.horizon <= 0:
             raise ParamsError(f"L (horizon) must be positive, got {self.horizon}")
         if self.mode not in SCORE_MODES:
             raise ParamsError(f"mode must be one of {SCORE_MODES}, got {self.mode!r}")
         if self.stamp not in STAMPS:
             raise ParamsError(f"stamp must be one of {STAMPS}, got {self.stamp!r}")
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
-            raise ParamsError(f"version must be a non-negative integer, got {self.version!r}")
+        if (
+            isinstance(self.version, bool)
+            or not isinstance(self.version, int)
+            or not 0 <= self.version <= MAX_VERSION
+        ):
+            raise ParamsError(f"version must be an integer in [0, {MAX_VERSION}], got {short_repr(self.version)}")
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
 
     @classmethod
@@ -391,13 +400,15 @@ class WAParams:
 
 def _model_from_json(obj: Any) -> ReuseModel:
     if isinstance(obj, Mapping):
-        return ReuseModel.exponential(obj.get("p"), obj.get("a"))
+        if set(obj) != {"p", "a"}:
+            raise ParamsError(f"an exponential model is an object with exactly 'p' and 'a', got keys {short_repr(sorted(map(str, obj)))}")
+        return ReuseModel.exponential(obj["p"], obj["a"])
     if not isinstance(obj, (list, tuple)) or not obj:
-        raise ParamsError(f"a mixture must be a non-empty list of [w, a] pairs, got {obj!r}")
+        raise ParamsError(f"a mixture must be a non-empty list of [w, a] pairs, got {short_repr(obj)}")
     pairs = []
     for pair in obj:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ParamsError(f"mixture components must be [w, a] pairs, got {pair!r}")
+            raise ParamsError(f"mixture components must be [w, a] pairs, got {short_repr(pair)}")
         pairs.append(pair)
     return ReuseModel(
         tuple(_check_number("w", w, hi=1.0) for w, _ in pairs),
@@ -420,10 +431,10 @@ def models_differ(a: ReuseModel, b: ReuseModel, tolerance: float) -> bool:
 def params_changed(old: WAParams, new: WAParams, tolerance: float) -> bool:
     """Whether swapping ``new`` in for ``old`` changes how the queue ranks blocks.
 
-    A different score mode or horizon, a different set of classes, or any
-    model parameter that moved by more than ``tolerance`` (relative).
+    A different score mode, stamp or horizon, a different set of classes, or
+    any model parameter that moved by more than ``tolerance`` (relative).
     """
-    if old.mode != new.mode or _relative_change(old.horizon, new.horizon) > tolerance:
+    if old.mode != new.mode or old.stamp != new.stamp or _relative_change(old.horizon, new.horizon) > tolerance:
         return True
     if set(old.models) != set(new.models) or models_differ(old.default, new.default, tolerance):
         return True

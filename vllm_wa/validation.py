@@ -30,13 +30,13 @@ def check_number(
     """
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise error(f"{where} must be {kind}, got {_short(value)}")
+        raise error(f"{where} must be {kind}, got {short_repr(value)}")
     try:
         finite = math.isfinite(value)
     except OverflowError:  # an int too large for a float
         finite = False
     if not finite:
-        raise error(f"{where} must be finite, got {_short(value)}")
+        raise error(f"{where} must be finite, got {short_repr(value)}")
     if integer and value != int(value):
         raise error(f"{where} must be {kind}, got {value!r}")
     if ge is not None and le is not None:
@@ -51,7 +51,7 @@ def check_number(
     return int(value) if integer else float(value)
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """``repr`` cut to a readable length (values may be megabytes of untrusted input)."""
     try:
         text = repr(value)

@@ -30,6 +30,10 @@ DEFAULT_ID, INVALID_ID, OTHER_ID = range(3)  # their ids in every registry
 # 16 workload tags x 2 outcomes under the default class key, plus the reserved
 # names, with room to spare; the queue compares one head per class in use.
 DEFAULT_MAX_CLASSES = 64
+# The most a registry may be configured with: each slot costs the queue two
+# sentinel blocks, counters and stamp groups at start-up (two million slots
+# took 1.7 GiB), and a lookup-stamped rebuild allocates the groups again.
+MAX_CLASS_CAP = 4096
 MAX_TAG_LENGTH = 64
 # A class name joins a tag and bucketed features (``agent_1.o:length.d2.r1``).
 MAX_CLASS_NAME_LENGTH = 128
@@ -108,10 +112,10 @@ class ClassRegistry:
         if (
             isinstance(self.max_classes, bool)
             or not isinstance(self.max_classes, int)
-            or self.max_classes < len(RESERVED_CLASSES)
+            or not len(RESERVED_CLASSES) <= self.max_classes <= MAX_CLASS_CAP
         ):
             raise ValueError(
-                f"max_classes must be an integer >= {len(RESERVED_CLASSES)}, got {self.max_classes!r}"
+                f"max_classes must be an integer in [{len(RESERVED_CLASSES)}, {MAX_CLASS_CAP}], got {self.max_classes!r}"
             )
         if not self.retire_after_s > 0:
             raise ValueError(f"retire_after_s must be positive, got {self.retire_after_s!r}")

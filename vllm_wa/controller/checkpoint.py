@@ -44,6 +44,11 @@ CHECKPOINT_VERSION = 2
 # Far above what MAX_FINE_CLASSES classes take (about 4 KiB each); a larger
 # file is refused before it is read.
 MAX_CHECKPOINT_BYTES = 32 << 20
+# A class's forgotten count in one bin stays far below this (a million blocks
+# a second over the default 1,800-s memory is about 2.6e9); larger counts are
+# a damaged file, and sums of counts near the float limit overflow to inf,
+# which no JSON answer (/wa/params) can carry.
+MAX_BIN_COUNT = 1e12
 _KEYS = {"version", "active", "params", "classes"}
 _OUTCOMES = (*OUTCOMES, "unknown")
 Components = tuple[Any, ...]
@@ -104,11 +109,11 @@ def _survival(raw: Any, where: str) -> SurvivalData:
         if not isinstance(values, list) or len(values) != NUM_BINS:
             raise CheckpointError(f"{where}.data.{key} must be a list of {NUM_BINS} numbers")
         for v in values:
-            check_number(f"{where}.data.{key}", v, ge=0, error=CheckpointError)
+            check_number(f"{where}.data.{key}", v, ge=0, le=MAX_BIN_COUNT, error=CheckpointError)
         arrays.append(np.asarray(values, dtype=float))
     # Written before lookups were counted: every reused block counts as an observation.
     groups = raw.get("groups", 0.0)
-    check_number(f"{where}.data.groups", groups, ge=0, error=CheckpointError)
+    check_number(f"{where}.data.groups", groups, ge=0, le=NUM_BINS * 2 * MAX_BIN_COUNT, error=CheckpointError)
     return SurvivalData(arrays[0], arrays[1], float(groups))
 
 

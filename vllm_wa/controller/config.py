@@ -15,7 +15,7 @@ from vllm_wa.controller.tuner import TunerSettings
 from vllm_wa.fileio import TOMLDecodeError, read_toml
 from vllm_wa.params import SCORE_MODES, STAMPS
 from vllm_wa.validation import check_number
-from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES
+from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES, MAX_CLASS_CAP
 
 FAMILIES = ("exponential", "hyperexponential")
 # What the miniature caches see: hash-sampled blocks of every prompt, or the
@@ -146,7 +146,7 @@ class ControllerConfig:
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
         if self.sample_rate is not None:
             check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
-        check_number("max_classes", self.max_classes, ge=3, integer=True, error=ConfigError)
+        check_number("max_classes", self.max_classes, ge=3, le=MAX_CLASS_CAP, integer=True, error=ConfigError)
         if self.shadow_sampling not in SHADOW_SAMPLING:
             raise ConfigError(f"shadow_sampling must be one of {SHADOW_SAMPLING}, got {self.shadow_sampling!r}")
         for i, c in enumerate(self.candidates):

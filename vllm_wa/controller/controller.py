@@ -495,6 +495,9 @@ class WAController:
         with self._swap_lock:
             self.pinned = params.evolve(source="pinned")
             self._pinned_key = key
+            # An operator's pin lands as sent, even within ``swap_tolerance``
+            # of what runs (the tolerance spares the engine the refits' jitter).
+            self._applied_candidate = None
         self._swap(self.clock())
 
     def unpin(self) -> None:

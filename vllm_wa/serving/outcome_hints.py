@@ -107,7 +107,8 @@ def _wrap(orig: Any, keys_of: Any) -> Any:
 def install() -> None:
     """Honour outcome hints on completions and chat completions (idempotent).
 
-    Only called by ``enable_online`` when ``--wa-bench-outcome-hints`` is set.
+    Only called when ``--wa-bench-outcome-hints`` is set: by ``enable_online``,
+    and by the plugin in each extra API-server process.
     """
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion

@@ -19,11 +19,13 @@ itself uses (``--api-key``, else ``VLLM_API_KEY``).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_wa.params import WAParams
 from vllm_wa.serving.pin_request import MAX_PIN_BODY_BYTES, PinRequestError, parse_pin_request
 from vllm_wa.serving.settings import ServingSettings
 from vllm_wa.serving.snapshots import EngineSnapshots
@@ -59,6 +61,30 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def pin_body(params: WAParams | None, features: tuple[str, ...] | None) -> dict[str, Any]:
+    """What the engines get for a checked pin: the parsed body written out again.
+
+    Never the client's own JSON: only what the parser read crosses vLLM's
+    msgpack channel, in types it carries (floats, not ints past 2**64; no
+    keys the parser ignored).
+    """
+    if params is None:
+        return {"mode": "auto"}
+    return {"params": params.to_pr_json(), "features": list(features or ())}
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float as None (JSON has no inf or NaN, and
+    Starlette refuses them with an exception instead of an answer)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
@@ -75,7 +101,7 @@ def make_router(settings: ServingSettings, snapshots: EngineSnapshots, max_class
             engines = await snapshots.get()
         except Exception as e:  # noqa: BLE001 - the engines are unreachable: say so
             return _error(503, f"the engine cores did not answer: {type(e).__name__}")
-        return JSONResponse({"engines": [e.get("state", e) for e in engines]})
+        return JSONResponse(json_safe({"engines": [e.get("state", e) for e in engines]}))
 
     @router.put("/wa/params")
     async def put_params(raw_request: Request) -> JSONResponse:
@@ -93,11 +119,14 @@ def make_router(settings: ServingSettings, snapshots: EngineSnapshots, max_class
         except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             return _error(400, "the body is not valid JSON")
         try:
-            parse_pin_request(body, max_classes=max_classes)  # a bad body never reaches an engine
+            params, features = parse_pin_request(body, max_classes=max_classes)  # a bad body never reaches an engine
         except PinRequestError as e:
             return _error(e.status, str(e))
         client = raw_request.app.state.engine_client
-        results = await client.engine_core.call_utility_all_async("wa_set_params", body)
+        try:
+            results = await client.engine_core.call_utility_all_async("wa_set_params", pin_body(params, features))
+        except Exception as e:  # noqa: BLE001 - an engine core that cannot be reached is not the client's fault
+            return _error(503, f"the engine cores did not answer: {type(e).__name__}")
         bad = [r for r in results if not r.get("ok")]
         if bad:
             return _error(bad[0].get("status", 500), bad[0].get("error", "an engine refused"), engines=results)

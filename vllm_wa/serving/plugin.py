@@ -48,6 +48,15 @@ def register() -> None:
             from vllm_wa.serving import api_side
 
             api_side.install(settings)
+            _install_outcome_hints(settings)
+
+
+def _install_outcome_hints(settings: ServingSettings) -> None:
+    """The benchmark's outcome hints, in every process that serves HTTP."""
+    if settings.bench_outcome_hints:
+        from vllm_wa.serving import outcome_hints
+
+        outcome_hints.install()
 
 
 def add_cli_options(parser: Any) -> None:
@@ -140,9 +149,6 @@ def enable_online(args: Any) -> ServingSettings:
     from vllm_wa.serving import api_side
 
     api_side.install(settings)
-    if settings.bench_outcome_hints:
-        from vllm_wa.serving import outcome_hints
-
-        outcome_hints.install()
+    _install_outcome_hints(settings)
     logger.info("vllm-wa: --wa-online enabled (pinning %s)", "allowed" if settings.allow_pin else "disabled")
     return settings
