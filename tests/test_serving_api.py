@@ -283,3 +283,36 @@ def test_collector_appears_in_vllms_multiprocess_registry(engine, tmp_path, monk
             assert text.count('vllm_wa_freed_blocks_total{class="agent_1.o:stop",engine="0"}') == 1
     finally:
         REGISTRY.unregister(collector)
+
+
+def test_counters_never_go_back_across_api_servers(engine, tmp_path):
+    """Two API servers poll the engine on their own schedules; whichever answers
+    a scrape, a counter never reads lower than the scrape before (a drop is a
+    reset to Prometheus)."""
+    from vllm_wa.serving.shared_metrics import SharedCopies
+
+    app_a, _, snap_a = make_app([engine], SETTINGS)
+    app_b, _, snap_b = make_app([engine], SETTINGS)
+    servers = []
+    for pid, snap in ((1, snap_a), (2, snap_b)):
+        shared = SharedCopies(str(tmp_path), pid=pid)
+        snap.on_fetch = shared.publish
+        servers.append((snap, WACollector(lambda shared=shared, snap=snap: shared.freshest(snap.engines))))
+
+    def refits(collector) -> float:
+        reg = CollectorRegistry()
+        reg.register(collector)
+        fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+        return samples(fams["vllm_wa_refits"], engine="0")[0].value
+
+    with TestClient(app_a) as http_a, TestClient(app_b) as http_b:
+        http_b.get("/wa/params", headers=AUTH)  # B's copy: before the refits below
+        engine.clock.advance(10.0)
+        for _ in range(3):
+            engine.controller.refit()
+        http_a.get("/wa/params", headers=AUTH)  # A's copy: after them
+        assert snap_b.engines[0]["metrics"]["refits"] < snap_a.engines[0]["metrics"]["refits"]
+        seen = [refits(servers[0][1]), refits(servers[1][1]), refits(servers[0][1])]
+    assert seen[0] == seen[1] == seen[2] == snap_a.engines[0]["metrics"]["refits"]
+    # Without the shared copies, B alone would have answered with its older count.
+    assert refits(WACollector(lambda: snap_b.engines)) < seen[0]

@@ -15,11 +15,13 @@ import asyncio
 import functools
 import json
 import logging
+import os
 from typing import Any
 
 from vllm_wa.serving import metrics
 from vllm_wa.serving.params_api import make_router
 from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.shared_metrics import SharedCopies
 from vllm_wa.serving.snapshots import EngineSnapshots
 
 logger = logging.getLogger(__name__)
@@ -167,7 +169,14 @@ def install(settings: ServingSettings) -> None:
     if _SNAPSHOTS is None:
         _SNAPSHOTS = EngineSnapshots(settings.snapshot_max_age_s)
         snapshots = _SNAPSHOTS
-        metrics.install(metrics.WACollector(lambda: snapshots.engines))
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder:
+            # Several API servers: each scrape renders the freshest copy any of them has.
+            shared = SharedCopies(folder)
+            snapshots.on_fetch = shared.publish
+            metrics.install(metrics.WACollector(lambda: shared.freshest(snapshots.engines)))
+        else:
+            metrics.install(metrics.WACollector(lambda: snapshots.engines))
     if getattr(app_mod.attach_endpoint_plugins, _WRAPPED, None) is None:
         app_mod.attach_endpoint_plugins = _wrap_attach(app_mod.attach_endpoint_plugins, settings, _SNAPSHOTS)
     if getattr(app_state.init_endpoint_plugins_state, _WRAPPED, None) is None:

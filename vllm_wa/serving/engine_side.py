@@ -13,7 +13,8 @@ import functools
 import logging
 import os
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_wa.controller.config import ControllerConfig
@@ -52,6 +53,10 @@ class EngineWA:
     engine_index: int
     block_size: int
     invalid_reports: int = 0
+    # When this engine core started and how many snapshots it has served:
+    # together, how fresh a copy of its metrics is (see shared_metrics).
+    started_at: float = field(default_factory=time.time)
+    snapshots_served: int = 0
 
     def stop(self) -> None:
         try:
@@ -247,9 +252,13 @@ def wa_get_snapshot(self: Any) -> dict[str, Any]:
     bounded by the class caps, so the cost on the engine loop is small and
     does not depend on how often clients read ``/wa/params``.
     """
-    if _engine_wa(self) is None:
+    ewa = _engine_wa(self)
+    if ewa is None:
         return {"enabled": False}
-    return {"enabled": True, "state": wa_get_state(self), "metrics": wa_get_metrics(self)}
+    ewa.snapshots_served += 1
+    metrics = wa_get_metrics(self)
+    metrics["freshness"] = [ewa.started_at, ewa.snapshots_served]
+    return {"enabled": True, "state": wa_get_state(self), "metrics": metrics}
 
 
 _UTILITIES = {

@@ -38,6 +38,8 @@ class EngineSnapshots:
         self.fetched_at = -math.inf
         self.fetches = 0
         self.failures = 0
+        # Called with every fetch's result (the shared metrics copy, with several API servers).
+        self.on_fetch: Callable[[list[dict[str, Any]]], None] | None = None
         self._inflight: asyncio.Future[list[dict[str, Any]]] | None = None
 
     def bind(self, fetch: Fetch) -> None:
@@ -56,6 +58,8 @@ class EngineSnapshots:
         self.fetches += 1
         self.engines = engines
         self.fetched_at = self.clock()
+        if self.on_fetch is not None:
+            self.on_fetch(engines)
         return engines
 
     async def get(self) -> list[dict[str, Any]]:
