@@ -136,6 +136,15 @@ def test_unreadable_files_and_options_get_clear_errors(tmp_path):
         ReplayConfig(window_seconds=float("nan"))
 
 
+def test_empty_files_and_absent_swap_tags_are_named(tmp_path, agentic):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(TraceFormatError, match="no record"):
+        load_trace(str(empty))
+    with pytest.raises(ValueError, match="no request .* tagged \\['chat'\\]"):
+        swap_tags(agentic, ("human", "chat"), since=agentic.eval_start(0.5))
+
+
 def test_agentic_ids_past_their_namespace_are_refused(tmp_path):
     d = tmp_path / "convs"
     d.mkdir()

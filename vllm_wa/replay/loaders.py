@@ -88,6 +88,8 @@ def detect_format(path: str) -> str:
                 return "agentic"
     except _READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
+    if not first:
+        raise TraceFormatError(path, "the file starts with no record (empty, or a blank first line); pass --format")
     try:
         rec = json.loads(first)
     except json.JSONDecodeError:

@@ -87,8 +87,16 @@ class ReplayConfig:
 
 
 def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
-    """From ``since`` on, requests tagged A are tagged B and the other way round."""
+    """From ``since`` on, requests tagged A are tagged B and the other way round.
+
+    A tag the evaluated part does not have is an error (a typo would
+    otherwise swap nothing and report the unshifted trace as the shift).
+    """
     a, b = swap
+    present = {r.tag for r in trace.requests if r.arrival >= since}
+    missing = [t for t in (a, b) if t not in present]
+    if missing:
+        raise ValueError(f"--tag-swap: no request from t={since:g}s on is tagged {missing}; tags there: {sorted(present)[:10]}")
     out = []
     for r in trace.requests:
         if r.arrival >= since and r.tag in (a, b):
