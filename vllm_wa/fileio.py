@@ -7,6 +7,9 @@ crash, see the old file or the new one, never a partial one.
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
 import os
 import sys
 import threading
@@ -28,24 +31,37 @@ def read_toml(path: str) -> dict[str, Any]:
         return tomllib.load(f)
 
 
+def opener_for(path: str) -> Callable[..., IO[Any]]:
+    """``open``, or the compressed look-alike the file's name says (.gz, .xz, .bz2)."""
+    for suffix, opener in ((".gz", gzip.open), (".xz", lzma.open), (".bz2", bz2.open)):
+        if path.endswith(suffix):
+            return opener
+    return open
+
+
 @contextmanager
-def atomic_write(path: str, mode: str = "w", *, opener: Callable[..., IO[Any]] = open, **kwargs: Any) -> Iterator[IO[Any]]:
+def atomic_write(
+    path: str, mode: str = "w", *, opener: Callable[..., IO[Any]] = open, durable: bool = True, **kwargs: Any
+) -> Iterator[IO[Any]]:
     """Yield a file to write ``path``'s new content into; rename it into place on success.
 
     The temporary file sits beside ``path`` (same file system, so the rename
     is atomic) and is flushed to disk before the rename.  On any error it is
     removed and the error propagates; ``path`` is left as it was.
-    ``opener`` is ``open`` or a look-alike (``gzip.open``).
+    ``opener`` is ``open`` or a look-alike (``gzip.open``).  ``durable=False``
+    skips the flush to disk, for files nobody needs after a crash (the rename
+    still makes the replacement atomic for readers).
     """
     tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
     try:
         with opener(tmp, mode, **kwargs) as f:
             yield f
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -8,8 +8,6 @@ returned silently.
 
 from __future__ import annotations
 
-import bz2
-import gzip
 import io
 import itertools
 import json
@@ -25,6 +23,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from vllm_wa.fileio import opener_for
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.validation import check_number
@@ -62,13 +61,7 @@ _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError)
 
 
 def _open_binary(path: str) -> IO[bytes]:
-    if path.endswith(".xz"):
-        return lzma.open(path, "rb")
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".bz2"):
-        return bz2.open(path, "rb")
-    return open(path, "rb")
+    return opener_for(path)(path, "rb")
 
 
 def _open_text(path: str) -> IO[str]:

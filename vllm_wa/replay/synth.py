@@ -26,18 +26,16 @@ are published figures; token lengths, turn counts and spreads are guesses.
 from __future__ import annotations
 
 import bisect
-import bz2
 import gzip
 import heapq
 import json
-import lzma
 import math
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_wa.fileio import atomic_write, read_toml
+from vllm_wa.fileio import atomic_write, opener_for, read_toml
 from vllm_wa.validation import check_number
 
 BLOCK_TOKENS = 16  # Bailian hash_ids are per 16-token block
@@ -334,15 +332,9 @@ def write_trace(config: SynthConfig, path: str) -> int:
     partial trace behind.  Returns the number of records.
     """
     n = 0
-    if path.endswith(".gz"):
-        out = atomic_write(path, "wt", opener=gzip.open, encoding="utf-8", compresslevel=6)
-    elif path.endswith(".xz"):
-        out = atomic_write(path, "wt", opener=lzma.open, encoding="utf-8")
-    elif path.endswith(".bz2"):
-        out = atomic_write(path, "wt", opener=bz2.open, encoding="utf-8")
-    else:
-        out = atomic_write(path, "w", encoding="utf-8")
-    with out as f:
+    opener = opener_for(path)
+    level = {"compresslevel": 6} if opener is gzip.open else {}
+    with atomic_write(path, "wt", opener=opener, encoding="utf-8", **level) as f:
         dumps = json.JSONEncoder(separators=(",", ":")).encode
         for rec in generate(config):
             f.write(dumps(rec))

@@ -47,7 +47,10 @@ class SharedCopies:
         """Replace this process's file with the metrics of ``engines`` (a poll's result)."""
         metrics = [e["metrics"] for e in engines or () if isinstance(e, dict) and e.get("enabled")]
         try:
-            with atomic_write(self.path, "w", encoding="utf-8") as f:
+            # Renamed into place, not synced to disk: this runs on the API
+            # server's event loop at every poll, and a copy lost in a crash is
+            # replaced at the next poll.
+            with atomic_write(self.path, "w", encoding="utf-8", durable=False) as f:
                 json.dump(metrics, f)
         except (OSError, ValueError) as e:
             self.write_errors += 1
@@ -69,6 +72,8 @@ class SharedCopies:
             if isinstance(e, dict) and e.get("enabled"):
                 offer(e.get("metrics"))
         for path in glob.glob(os.path.join(glob.escape(self.folder), f"{_PREFIX}*.json")):
+            if path == self.path:
+                continue  # this process's copy, offered above from memory
             try:
                 with open(path, encoding="utf-8") as f:
                     copies = json.load(f)
