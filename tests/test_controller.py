@@ -481,6 +481,9 @@ def test_default_config_file_matches_defaults():
         ({"tuner": {"margin": -0.1}}, "tuner_margin"),
         ({"tuner": {"full_window_margin": -0.1}}, "tuner_full_window_margin"),
         ({"tuner": {"full_window_min_requests": 1.5}}, "tuner_full_window_min_requests"),
+        ({"tuner": {"short_window_s": -1.0}}, "tuner_short_window_s"),
+        ({"tuner": {"short_window_s": 45.0}}, "tuner_short_window_s"),  # under two batches
+        ({"tuner": {"short_window_confidence": 1.0}}, "tuner_short_window_confidence"),
         ({"tuner": {"candidates": [{"features": ["color"]}], "initial": "lru"}}, "candidates[0].features"),
         ({"tuner": {"candidates": [{"family": "weibull"}], "initial": "lru"}}, "candidates[0].family"),
         ({"tuner": {"candidates": [{"horizon": 0}], "initial": "lru"}}, "candidates[0].horizon"),

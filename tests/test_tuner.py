@@ -249,6 +249,49 @@ def test_a_move_between_two_candidates_keeps_the_mixture_bound_on_a_full_window(
     assert tuner.active == WA
 
 
+def _promoted_after_a_late_lead(settings: TunerSettings, seed: int, lead: float) -> tuple[float, Switch]:
+    """An hour of no lead fills the window; then WA leads by ``lead``: seconds until it runs."""
+    tuner = Tuner([LRU, WA], settings)
+    rng = random.Random(seed)
+    run(tuner, rng, 0.0, 3600.0, 0.40, 0.40)
+    assert tuner.active == LRU and tuner.promotions == 0
+    t = 3600.0
+    while tuner.active == LRU and t < 3600.0 + 1800.0:
+        stream(tuner, rng, t, t + 5.0, 0.40, 0.40 + lead)
+        t += 5.0
+        tuner.decide(t)
+    assert tuner.active == WA
+    return t - 3600.0, tuner.switches[-1]
+
+
+def test_a_lead_that_starts_late_promotes_on_the_short_look_before_the_full_window():
+    """A half-point lead from t = 3,600 s, after an hour of none: the full
+    window's mean is diluted by its older batches, the short window's is not."""
+    short_t, short_sw = _promoted_after_a_late_lead(SETTINGS, seed=0, lead=0.005)
+    no_short = TunerSettings(**{**SETTINGS.__dict__, "short_window_s": 0.0})
+    full_t, full_sw = _promoted_after_a_late_lead(no_short, seed=0, lead=0.005)
+    assert short_sw.batches <= SETTINGS.short_window_s / SETTINGS.batch_s + 1 < full_sw.batches
+    assert short_t <= SETTINGS.short_window_s and short_t + 60.0 <= full_t  # measured: 330 s against 440 s
+    assert short_sw.lower_bound > SETTINGS.full_window_margin
+
+
+def test_a_young_window_never_takes_the_short_look():
+    """A 0.25-point lead with a small standard error: from the 15th batch its
+    last 450 s alone clear the short look's bar, but a window younger than
+    900 s keeps the mixture boundary and the 0.3-point margin, so it moves
+    only when the full window is in (on the full window's own bar)."""
+    s = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=10, min_batches=6)
+    young = Tuner([LRU, WA], s)
+    assert _feed_batches(young, WA, LRU, 16, requests=30, swing=(3, 2)) == []
+    assert young._short_look(WA, 30.0 * 15 + 29.0) is not None
+    tuner = Tuner([LRU, WA], s)
+    assert _feed_batches(tuner, WA, LRU, 40, requests=30, swing=(3, 2)) == [30.0 * 29 + 29.0]
+    assert tuner.switches[-1].batches == 30
+    # A short window not shorter than the promotion window is no second look.
+    assert Tuner([LRU, WA], TunerSettings(**{**s.__dict__, "short_window_s": 900.0}))._short_batches == 0
+    assert ControllerConfig(tuner_window_s=60.0, tuner_batch_s=5.0).tuner_settings.short_window_s == 450.0
+
+
 def test_pin_cannot_be_overwritten_by_a_concurrent_refit(monkeypatch):
     """A refit reads the pin state, then a pin lands, then the refit applies:
     without one owner the refit's stale parameters would replace the pin."""

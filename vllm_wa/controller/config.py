@@ -120,6 +120,8 @@ class ControllerConfig:
     tuner_full_window_confidence: float = 0.99
     tuner_full_window_min_requests: int = 900
     tuner_full_window_margin: float = 0.001
+    tuner_short_window_s: float = 450.0
+    tuner_short_window_confidence: float = 0.999
     tuner_demote_confidence: float = 0.95
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
@@ -139,10 +141,15 @@ class ControllerConfig:
         for name in ("tuner_min_requests", "tuner_full_window_min_requests"):
             check_number(name, getattr(self, name), ge=0, integer=True, error=ConfigError)
         check_number("class_confidence", self.class_confidence, ge=0, le=0.999999, error=ConfigError)
-        for name in ("tuner_confidence", "tuner_full_window_confidence", "tuner_demote_confidence"):
+        confidences = ("confidence", "full_window_confidence", "short_window_confidence", "demote_confidence")
+        for name in (f"tuner_{c}" for c in confidences):
             check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
         if self.tuner_batch_s * 2 > self.tuner_demote_window_s:
             raise ConfigError("tuner_demote_window_s must hold at least two batches (2 x tuner_batch_s)")
+        # 0, or a window not shorter than the promotion window, turns the short look off.
+        check_number("tuner_short_window_s", self.tuner_short_window_s, ge=0, error=ConfigError)
+        if 0 < self.tuner_short_window_s < min(self.tuner_window_s, 2 * self.tuner_batch_s):
+            raise ConfigError("tuner_short_window_s must be 0 (off) or hold at least two batches (2 x tuner_batch_s)")
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
         if self.sample_rate is not None:
             check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
@@ -191,6 +198,8 @@ class ControllerConfig:
             full_window_confidence=self.tuner_full_window_confidence,
             full_window_min_requests=self.tuner_full_window_min_requests,
             full_window_margin=self.tuner_full_window_margin,
+            short_window_s=self.tuner_short_window_s,
+            short_window_confidence=self.tuner_short_window_confidence,
             demote_confidence=self.tuner_demote_confidence,
         )
 

@@ -46,6 +46,17 @@ with a batch-means standard error.
   candidates keep it throughout: with the full-window bar for them too, the
   agentic split at 8 % switched six times instead of twice and lost 0.17
   points (miniature-cache replay).
+* **The short look.** A lead that begins late in a full window is diluted
+  by the batches before it.  So once the promotion window is full, a move
+  between LRU and a candidate may also rest on the last ``short_window_s``
+  seconds alone: a full window of its own (as many batches), at least as
+  dense in requests as the full window's minimum asks, at the stricter
+  one-sided ``short_window_confidence`` quantile (3.09 at 0.999) and the
+  full window's margin.  The two looks together raise the chance of a false
+  move at a look from 0.010 to at most 0.011.  On the Mooncake trace at
+  20 % of unique blocks the reuse-count candidate's lead began near
+  1,500 s; the full window alone promoted it at 2,430 s, the short look at
+  1,410 s.  A young window never takes the short look.
 * **Demotion** is quick and one-way safe: when the one-sided lower bound of
   LRU's lead over the running candidate, over the short demotion window,
   clears ``margin`` (the bar a promotion clears the other way), the real
@@ -92,6 +103,8 @@ class TunerSettings:
     full_window_confidence: float = 0.99
     full_window_min_requests: int = 900
     full_window_margin: float = 0.001
+    short_window_s: float = 450.0
+    short_window_confidence: float = 0.999
     demote_confidence: float = 0.95
 
 
@@ -232,6 +245,11 @@ class Tuner:
         # Batches a full promotion window holds, and its bar (see the module doc).
         self._full_batches = max(s.min_batches, int(s.window_s // s.batch_s))
         self._z_full = float(norm.ppf(s.full_window_confidence))
+        # The short look: a full window of its own, as dense, at a stricter bar.
+        short = 0.0 < s.short_window_s < s.window_s
+        self._short_batches = max(s.min_batches, int(s.short_window_s // s.batch_s)) if short else 0
+        self._short_min_requests = math.ceil(s.full_window_min_requests * s.short_window_s / s.window_s)
+        self._z_short = float(norm.ppf(s.short_window_confidence))
 
     def record(self, t: float, lookups: int, hits: list[int]) -> None:
         self.hits.add(t, lookups, hits)
@@ -258,7 +276,20 @@ class Tuner:
             lb = cmp.lower(z)
             if lb > margin and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
+            if self._short_batches and cmp.batches >= self._full_batches and LRU in (name, self.active):
+                short = self._short_look(name, now)
+                if short is not None and (best is None or short[1] > best[2]):
+                    best = (name, *short)
         return best
+
+    def _short_look(self, name: str, now: float) -> tuple[Comparison, float] | None:
+        """The lead of ``name`` over the running candidate in the short window, if it clears its bar."""
+        s = self.settings
+        cmp = self.hits.compare(name, self.active, max(now - s.short_window_s, self.evidence_since[name]))
+        if cmp.batches < self._short_batches or cmp.requests < self._short_min_requests:
+            return None
+        lb = cmp.lower(self._z_short)
+        return (cmp, lb) if lb > s.full_window_margin else None
 
     def _demotion(self, now: float) -> tuple[Comparison, float] | None:
         s = self.settings
