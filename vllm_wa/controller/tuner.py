@@ -266,17 +266,14 @@ class Tuner:
                 continue
             z = sequential_z(cmp.batches, s.confidence, s.min_batches)
             margin = s.margin
-            if (
-                cmp.batches >= self._full_batches
-                and cmp.requests >= s.full_window_min_requests
-                and LRU in (name, self.active)
-            ):
+            full_lru_move = cmp.batches >= self._full_batches and LRU in (name, self.active)
+            if full_lru_move and cmp.requests >= s.full_window_min_requests:
                 z = min(z, self._z_full)
                 margin = s.full_window_margin
             lb = cmp.lower(z)
             if lb > margin and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
-            if self._short_batches and cmp.batches >= self._full_batches and LRU in (name, self.active):
+            if full_lru_move and self._short_batches:
                 short = self._short_look(name, now)
                 if short is not None and (best is None or short[1] > best[2]):
                     best = (name, *short)
