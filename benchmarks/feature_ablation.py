@@ -10,6 +10,10 @@ derived by the engine from the prefix chain; depth and reuse are per block.
 
     python benchmarks/feature_ablation.py TRACE --size 11% [--jobs 2] [--json out.json]
     python benchmarks/feature_ablation.py --sets tag+outcome,tag+outcome+think   # a subset
+    python benchmarks/feature_ablation.py TRACE --sets tag+outcome+think+reply+growth+turn --classes 0,4,8,16
+
+``--classes K`` runs each set as a learned key of up to K classes
+(``controller/learned_key.py``); 0 is the set's own key, one class per cell.
 """
 
 from __future__ import annotations
@@ -42,22 +46,22 @@ def default_sets() -> list[tuple[str, ...]]:
     return sets
 
 
-def candidate(features: tuple[str, ...], stamp: str = "free") -> CandidateSpec:
-    return CandidateSpec(features, "hyperexponential", "posterior", 10.0, stamp=stamp)
+def candidate(features: tuple[str, ...], stamp: str = "free", classes: int = 0) -> CandidateSpec:
+    return CandidateSpec(features, "hyperexponential", "posterior", 10.0, stamp=stamp, classes=classes)
 
 
 _SETUP: tuple[SweepSetup, ControllerConfig, int] | None = None
-Task = tuple[str, tuple[str, ...] | None, str]
+Task = tuple[str, tuple[str, ...] | None, str, int]  # policy, feature set, stamp, learned classes
 
 
 def _run(task: Task) -> tuple[Task, dict[str, Any]]:
     assert _SETUP is not None
     setup, base, size = _SETUP
-    kind, features, stamp = task
+    kind, features, stamp, classes = task
     if features is None:
         policy = make_policy(kind, setup)
     else:
-        cand = candidate(features, stamp)
+        cand = candidate(features, stamp, classes)
         policy = OnlineWAPolicy.create(
             replace(base, tuner_enabled=False, initial=cand.name, candidates=(cand,)), setup.trace
         )
@@ -72,11 +76,12 @@ def ablation(
     base: ControllerConfig,
     jobs: int = 1,
     stamps: tuple[str, ...] = ("free",),
+    classes: tuple[int, ...] = (0,),
 ) -> list[dict[str, Any]]:
-    """Hit rate of ``lru``, ``opt`` and one fixed candidate per feature set and stamp."""
+    """Hit rate of ``lru``, ``opt`` and one fixed candidate per feature set, stamp and class count."""
     global _SETUP
-    tasks: list[Task] = [("opt", None, "free"), ("lru", None, "free")]
-    tasks += [("wa-online", s, st) for s in sets for st in stamps]
+    tasks: list[Task] = [("opt", None, "free", 0), ("lru", None, "free", 0)]
+    tasks += [("wa-online", s, st, k) for s in sets for st in stamps for k in classes]
     _SETUP = (setup, base, size)
     done: dict[Task, dict[str, Any]] = {}
     try:
@@ -89,17 +94,18 @@ def ablation(
                     done[task] = out
     finally:
         _SETUP = None
-    lru, opt = done[("lru", None, "free")]["token_hit_rate"], done[("opt", None, "free")]["token_hit_rate"]
+    lru, opt = done[("lru", None, "free", 0)]["token_hit_rate"], done[("opt", None, "free", 0)]["token_hit_rate"]
     rows = []
     for task in tasks:
-        kind, features, stamp = task
+        kind, features, stamp, k = task
         hit = done[task]["token_hit_rate"]
         label = kind if features is None else "+".join(features) or "none"
         rows.append(
             {
-                "policy": label + ("@lookup" if stamp == "lookup" else ""),
+                "policy": label + (f"/K{k}" if k else "") + ("@lookup" if stamp == "lookup" else ""),
                 "features": list(features) if features is not None else None,
                 "stamp": stamp,
+                "classes": k,
                 "token_hit_rate": hit,
                 "gap_closed": (hit - lru) / (opt - lru) if opt > lru else None,
                 "wall_s": done[task]["wall_s"],
@@ -131,21 +137,30 @@ def main(argv: list[str] | None = None) -> int:
         "--stamps", default="free",
         help="comma-separated idle-time origins to run each set with: free (the release), lookup (the request's start)",
     )
+    ap.add_argument(
+        "--classes", default="0",
+        help="comma-separated learned class counts to run each set with (0: the set's own key)",
+    )
     ap.add_argument("--controller-config", help="controller knobs (the candidate list is replaced)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     sets = default_sets() if not args.sets else [() if s == "none" else tuple(s.split("+")) for s in args.sets.split(",")]
     stamps = tuple(args.stamps.split(","))
+    try:
+        classes = tuple(int(k) for k in args.classes.split(","))
+    except ValueError:
+        ap.error(f"--classes takes comma-separated integers, got {args.classes!r}")
     base = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
     for s in sets:
-        for st in stamps:  # unknown features or stamps fail here, before the trace loads
-            ControllerConfig(candidates=(candidate(s, st),))
+        for st in stamps:  # unknown features, stamps or class counts fail here, before the trace loads
+            for k in classes:
+                ControllerConfig(candidates=(candidate(s, st, k),))
     t0 = time.perf_counter()
     trace = load_trace_cached(args.trace, agentic=AgenticOptions(max_conversations=args.conversations))
     setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())
     (size,) = resolve_sizes(args.size, setup.trace, setup.eval_start)
-    rows = ablation(setup, size, sets, base, jobs=args.jobs, stamps=stamps)
+    rows = ablation(setup, size, sets, base, jobs=args.jobs, stamps=stamps, classes=classes)
     print(format_table(trace.name, size, rows))
     print(f"took {time.perf_counter() - t0:.0f} s")
     if args.json:

@@ -56,3 +56,17 @@ def test_stamps_label_rows_and_one_release_stamped_class_is_lru(bench):
     # One class stamped at the release orders blocks exactly as LRU does.
     assert by["none"]["token_hit_rate"] == pytest.approx(by["lru"]["token_hit_rate"], abs=1e-12)
     assert 0.0 < by["none@lookup"]["token_hit_rate"] <= by["opt"]["token_hit_rate"]
+
+
+def test_classes_run_each_set_as_a_learned_key_too(bench):
+    trace = load_trace(sample_path("mooncake-conversation-sample.jsonl.xz")).head(600)
+    setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())
+    (size,) = resolve_sizes("10%", setup.trace, setup.eval_start)
+    rows = bench.ablation(setup, size, [("think", "turn")], ControllerConfig(refit_interval_s=20.0), classes=(0, 4))
+    by = {r["policy"]: r for r in rows}
+    assert list(by) == ["opt", "lru", "think+turn", "think+turn/K4"]
+    assert [r["classes"] for r in rows] == [0, 0, 0, 4]
+    for r in rows[2:]:
+        assert 0.0 < r["token_hit_rate"] <= by["opt"]["token_hit_rate"] + 1e-12
+    # A learned key is its own candidate: its name carries the class count.
+    assert bench.candidate(("think", "turn"), classes=4).name != bench.candidate(("think", "turn")).name
