@@ -211,6 +211,22 @@ def test_requests_failing_mid_run_are_counted_and_the_run_goes_on():
     assert s["failed"] == 2 and s["completed"] == len(t.requests) - 2
 
 
+def test_a_server_that_falls_behind_the_schedule_is_reported():
+    """The closed loop waits for each reply: a slow server stretches the run, and the report says so."""
+    t = small_trace(n_conv=1, turns=6, gap=1.0)  # scheduled 0 .. 5 trace s
+    with FakeServer(FakeConfig()) as srv:
+        kept = report.summarize(run_client(srv.url, t, time_scale=0.5))
+    with FakeServer(FakeConfig(delay_s=0.1)) as srv:
+        slow = report.summarize(run_client(srv.url, t, time_scale=0.01))
+    assert kept["schedule_stretch"] < report.STRETCH_WARN and report.schedule_warning(kept) is None
+    # Each reply takes 0.1 s against 0.01 s between scheduled arrivals: the last goes out ~0.5 s in, not 0.05.
+    assert slow["schedule_stretch"] > 5
+    assert slow["behind_schedule_trace_s"]["p50"] > 10  # trace seconds: client seconds / the time scale
+    warning = report.schedule_warning(slow)
+    assert warning is not None and "fell behind" in warning and "--time-scale" in warning
+    assert "schedule stretch" in report.format_table([kept, slow])
+
+
 def test_replay_of_what_the_server_saw(tmp_path):
     """Two identical prompts in a row: the second hits all but its last block (vLLM recomputes it)."""
     from vllm_wa.replay.loaders import load_trace

@@ -126,6 +126,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     res.write(out)
     s = report.summarize(res)
     print(report.format_table([s]))
+    if (warning := report.schedule_warning(s)) is not None:
+        print("warning: " + warning)
     if s["failed"]:
         print(f"{s['failed']} failed requests: {s['errors']}")
     if res.interrupted:

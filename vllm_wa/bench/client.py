@@ -220,6 +220,7 @@ class BenchClient:
                 input_tokens=req.input_tokens,
                 max_tokens=req.max_tokens,
                 planned=at - self._t0,
+                scheduled=s * req.arrival,
             )
             self.result.requests.append(rec)
             await self._send(client, model, req, rec)

@@ -11,6 +11,10 @@ from vllm_wa.bench.prom import MetricsSnapshot
 from vllm_wa.bench.results import RunResult
 
 PERCENTILES = (50, 90, 99)
+# A run whose last request went out more than this much later than the trace
+# schedules it (as a ratio of run lengths) did not replay the trace's
+# interleaving: the closed loop stretched it by the server's lag.
+STRETCH_WARN = 1.1
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
@@ -80,6 +84,9 @@ def summarize(res: RunResult) -> dict[str, Any]:
     on_total = sum(secs.values())
     errors = Counter((r.error or "no reply")[:80] for r in failed)
     wall = res.wall_s or 0.0
+    sent = [r for r in recs if r.sent is not None and r.scheduled is not None]
+    scale = res.time_scale if res.time_scale > 0 else 1.0
+    last_scheduled = max((r.scheduled for r in sent), default=0.0)
     return {
         "label": res.label,
         "cache_blocks": (res.server or {}).get("num_gpu_blocks"),
@@ -102,6 +109,8 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "qttft_ms": distribution([q for r in ok if (q := r.qttft_ms) is not None]),
         "client_ttft_ms": distribution([1000 * t for r in ok if (t := r.client_ttft_s) is not None]),
         "e2e_ms": distribution([1000 * t for r in ok if (t := r.e2e_s) is not None]),
+        "behind_schedule_trace_s": distribution([r.behind_schedule_s / scale for r in sent]),
+        "schedule_stretch": max(r.sent for r in sent) / last_scheduled if last_scheduled > 0 else None,
         "wall_s": wall,
         "requests_per_s": len(ok) / wall if wall else None,
         "output_tokens_per_s": sum(r.completion_tokens or 0 for r in ok) / wall if wall else None,
@@ -110,6 +119,19 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "candidate_seconds_source": secs_source,
         "wa_share": (on_total - secs.get("lru", 0.0)) / on_total if on_total else None,
     }
+
+
+def schedule_warning(summary: dict[str, Any]) -> str | None:
+    """A line saying the run fell behind the trace's schedule, or None when it kept it (or cannot tell)."""
+    stretch = summary.get("schedule_stretch")
+    if stretch is None or stretch <= STRETCH_WARN:
+        return None
+    lag = summary["behind_schedule_trace_s"]
+    return (
+        f"{summary['label']} fell behind the trace's schedule: its last request went out {stretch:.2f}x as late as "
+        f"scheduled, the median request {lag['p50']:.0f} trace s late; its hit rate and times are those of a slower "
+        "interleaving than the trace's (the server could not keep up: a larger --time-scale keeps the schedule)"
+    )
 
 
 def _fmt(v: Any, spec: str = ".1f", scale: float = 1.0) -> str:
@@ -140,6 +162,8 @@ def format_table(summaries: Sequence[dict[str, Any]], baseline: str = "lru") -> 
         for p in ("p50", "p90", "p99", "mean"):
             row(f"{name} {p}", lambda s, key=key, p=p: _fmt(s[key][p], ".1f"))
     row("client TTFT ms p50", lambda s: _fmt(s["client_ttft_ms"]["p50"], ".1f"))
+    row("behind schedule p50 (tr s)", lambda s: _fmt(s.get("behind_schedule_trace_s", {}).get("p50"), ".0f"))
+    row("schedule stretch", lambda s: _fmt(s.get("schedule_stretch"), ".2f"))
     row("throughput req/s", lambda s: _fmt(s["requests_per_s"], ".2f"))
     row("output tok/s", lambda s: _fmt(s["output_tokens_per_s"], ".1f"))
     row("preemptions", lambda s: _fmt((s["server"] or {}).get("preemptions"), ".0f"))

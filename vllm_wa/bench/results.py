@@ -29,7 +29,7 @@ class RequestRecord:
     hash_ids: list[int]
     input_tokens: int
     max_tokens: int
-    planned: float
+    planned: float  # when the closed loop let it go: the trace's arrival, or the reply before plus the think time
     sent: float | None = None
     first_token: float | None = None
     done: float | None = None
@@ -41,6 +41,7 @@ class RequestRecord:
     server_queue_ms: float | None = None  # arrival at the engine -> scheduling
     server_generation_ms: float | None = None  # first -> last token
     error: str | None = None
+    scheduled: float | None = None  # the trace's arrival x the time scale (None in files from before it was kept)
 
     @property
     def ok(self) -> bool:
@@ -57,6 +58,13 @@ class RequestRecord:
         if self.sent is None or self.done is None:
             return None
         return self.done - self.sent
+
+    @property
+    def behind_schedule_s(self) -> float | None:
+        """How much later than the trace's arrival it was sent (client seconds): the server's lag, carried by the closed loop."""
+        if self.sent is None or self.scheduled is None:
+            return None
+        return max(0.0, self.sent - self.scheduled)
 
     @property
     def qttft_ms(self) -> float | None:

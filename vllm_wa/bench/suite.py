@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"policy": p, "cache_blocks": n, **info, "summary": s})
                 print(f"   {s['completed']} requests ({s['failed']} failed) in {res.wall_s:.0f} s, "
                       f"token hit rate {100 * (s['token_hit_rate'] or 0):.2f}%", flush=True)
+                if (warning := report.schedule_warning(s)) is not None:
+                    print("   WARNING: " + warning, flush=True)
                 if not args.no_fidelity and s["completed"]:
                     replayed = predict(info["json"], policies, n, plan.wa_config)
                     fidelity.append({"label": res.label, "policy": p, "cache_blocks": n,
@@ -339,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         if summaries:
             print("\n" + report.format_table(summaries))
             print("(on CPU the TTFTs measure the tiny random model and vLLM's overheads, not a real model)")
+            for warning in filter(None, map(report.schedule_warning, summaries)):
+                print("WARNING: " + warning)
         if fidelity:
             print("\n" + fidelity_table(fidelity))
         out = {
