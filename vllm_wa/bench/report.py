@@ -123,7 +123,7 @@ def summarize(res: RunResult) -> dict[str, Any]:
 
 def schedule_warning(summary: dict[str, Any]) -> str | None:
     """A line saying the run fell behind the trace's schedule, or None when it kept it (or cannot tell)."""
-    stretch = summary.get("schedule_stretch")
+    stretch = summary["schedule_stretch"]
     if stretch is None or stretch <= STRETCH_WARN:
         return None
     lag = summary["behind_schedule_trace_s"]
@@ -162,8 +162,8 @@ def format_table(summaries: Sequence[dict[str, Any]], baseline: str = "lru") -> 
         for p in ("p50", "p90", "p99", "mean"):
             row(f"{name} {p}", lambda s, key=key, p=p: _fmt(s[key][p], ".1f"))
     row("client TTFT ms p50", lambda s: _fmt(s["client_ttft_ms"]["p50"], ".1f"))
-    row("behind schedule p50 (tr s)", lambda s: _fmt(s.get("behind_schedule_trace_s", {}).get("p50"), ".0f"))
-    row("schedule stretch", lambda s: _fmt(s.get("schedule_stretch"), ".2f"))
+    row("behind schedule p50 (tr s)", lambda s: _fmt(s["behind_schedule_trace_s"]["p50"], ".0f"))
+    row("schedule stretch", lambda s: _fmt(s["schedule_stretch"], ".2f"))
     row("throughput req/s", lambda s: _fmt(s["requests_per_s"], ".2f"))
     row("output tok/s", lambda s: _fmt(s["output_tokens_per_s"], ".1f"))
     row("preemptions", lambda s: _fmt((s["server"] or {}).get("preemptions"), ".0f"))
