@@ -14,6 +14,10 @@ derived by the engine from the prefix chain; depth and reuse are per block.
 
 ``--classes K`` runs each set as a learned key of up to K classes
 (``controller/learned_key.py``); 0 is the set's own key, one class per cell.
+``--family``, ``--mode`` and ``--horizon`` replace the candidates' model and
+score, for example a time to live per class:
+
+    python benchmarks/feature_ablation.py TRACE --size 15% --sets tag+outcome --family exponential --mode ttl --horizon 100
 """
 
 from __future__ import annotations
@@ -46,22 +50,30 @@ def default_sets() -> list[tuple[str, ...]]:
     return sets
 
 
-def candidate(features: tuple[str, ...], stamp: str = "free", classes: int = 0) -> CandidateSpec:
-    return CandidateSpec(features, "hyperexponential", "posterior", 10.0, stamp=stamp, classes=classes)
+# The candidates' reuse-model family, score mode and horizon (--family, --mode, --horizon).
+Score = tuple[str, str, float]
+DEFAULT_SCORE: Score = ("hyperexponential", "posterior", 10.0)
 
 
-_SETUP: tuple[SweepSetup, ControllerConfig, int] | None = None
+def candidate(
+    features: tuple[str, ...], stamp: str = "free", classes: int = 0, score: Score = DEFAULT_SCORE
+) -> CandidateSpec:
+    family, mode, horizon = score
+    return CandidateSpec(features, family, mode, horizon, stamp=stamp, classes=classes)
+
+
+_SETUP: tuple[SweepSetup, ControllerConfig, int, Score] | None = None
 Task = tuple[str, tuple[str, ...] | None, str, int]  # policy, feature set, stamp, learned classes
 
 
 def _run(task: Task) -> tuple[Task, dict[str, Any]]:
     assert _SETUP is not None
-    setup, base, size = _SETUP
+    setup, base, size, score = _SETUP
     kind, features, stamp, classes = task
     if features is None:
         policy = make_policy(kind, setup)
     else:
-        cand = candidate(features, stamp, classes)
+        cand = candidate(features, stamp, classes, score)
         policy = OnlineWAPolicy.create(
             replace(base, tuner_enabled=False, initial=cand.name, candidates=(cand,)), setup.trace
         )
@@ -77,12 +89,13 @@ def ablation(
     jobs: int = 1,
     stamps: tuple[str, ...] = ("free",),
     classes: tuple[int, ...] = (0,),
+    score: Score = DEFAULT_SCORE,
 ) -> list[dict[str, Any]]:
     """Hit rate of ``lru``, ``opt`` and one fixed candidate per feature set, stamp and class count."""
     global _SETUP
     tasks: list[Task] = [("opt", None, "free", 0), ("lru", None, "free", 0)]
     tasks += [("wa-online", s, st, k) for s in sets for st in stamps for k in classes]
-    _SETUP = (setup, base, size)
+    _SETUP = (setup, base, size, score)
     done: dict[Task, dict[str, Any]] = {}
     try:
         if jobs <= 1:
@@ -141,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         "--classes", default="0",
         help="comma-separated learned class counts to run each set with (0: the set's own key)",
     )
+    ap.add_argument("--family", default=DEFAULT_SCORE[0], help="reuse-model family of every candidate")
+    ap.add_argument("--mode", default=DEFAULT_SCORE[1], help="score mode of every candidate (pr, posterior, density, ttl)")
+    ap.add_argument(
+        "--horizon", type=float, default=DEFAULT_SCORE[2],
+        help="every candidate's L in seconds (for ttl: the break-even hold time)",
+    )
     ap.add_argument("--controller-config", help="controller knobs (the candidate list is replaced)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")
@@ -151,16 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         classes = tuple(int(k) for k in args.classes.split(","))
     except ValueError:
         ap.error(f"--classes takes comma-separated integers, got {args.classes!r}")
+    score: Score = (args.family, args.mode, args.horizon)
     base = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
     for s in sets:
         for st in stamps:  # unknown features, stamps or class counts fail here, before the trace loads
             for k in classes:
-                ControllerConfig(candidates=(candidate(s, st, k),))
+                ControllerConfig(candidates=(candidate(s, st, k, score),))
     t0 = time.perf_counter()
     trace = load_trace_cached(args.trace, agentic=AgenticOptions(max_conversations=args.conversations))
     setup = prepare(trace, ["lru", "opt", "wa-online"], ReplayConfig())
     (size,) = resolve_sizes(args.size, setup.trace, setup.eval_start)
-    rows = ablation(setup, size, sets, base, jobs=args.jobs, stamps=stamps, classes=classes)
+    rows = ablation(setup, size, sets, base, jobs=args.jobs, stamps=stamps, classes=classes, score=score)
     print(format_table(trace.name, size, rows))
     print(f"took {time.perf_counter() - t0:.0f} s")
     if args.json:

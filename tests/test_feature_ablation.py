@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_wa.cli import sample_path
-from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.config import ConfigError, ControllerConfig
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.runner import ReplayConfig, prepare, resolve_sizes
 
@@ -70,3 +70,13 @@ def test_classes_run_each_set_as_a_learned_key_too(bench):
         assert 0.0 < r["token_hit_rate"] <= by["opt"]["token_hit_rate"] + 1e-12
     # A learned key is its own candidate: its name carries the class count.
     assert bench.candidate(("think", "turn"), classes=4).name != bench.candidate(("think", "turn")).name
+
+
+def test_family_mode_and_horizon_replace_every_candidates_score(bench):
+    spec = bench.candidate(("tag", "outcome"), score=("exponential", "ttl", 100.0))
+    assert (spec.family, spec.mode, spec.horizon) == ("exponential", "ttl", 100.0)
+    assert spec.name == "tag+outcome/exp/ttl/L100"
+    assert bench.candidate(("tag", "outcome")).name == "tag+outcome/hyper/posterior/L10"
+    # A bad mode stops the command before any trace is read.
+    with pytest.raises(ConfigError, match="mode"):
+        bench.main(["no-such-trace.jsonl", "--sets", "tag", "--mode", "bogus"])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from vllm_wa.engine_patch import WorkloadAwareFreeQueue
-from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.params import ReuseModel, WAParams, time_to_live
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -160,7 +160,7 @@ class ReferenceQueue:
 @given(
     data=st.data(),
     n_classes=st.integers(1, 5),
-    mode=st.sampled_from(["pr", "posterior"]),
+    mode=st.sampled_from(["pr", "posterior", "ttl"]),
     horizon=st.sampled_from([1.0, 5.0, 60.0]),
 )
 def test_matches_brute_force_model(data, n_classes, mode, horizon):
@@ -618,3 +618,34 @@ def test_sorted_stamps_match_a_sorted_list_across_bucket_splits():
             assert list(st) == ref
     assert list(st) == ref and len(ref) > 2_500  # buckets split many times
     assert list(_SortedStamps(ref)) == ref
+
+
+
+def test_ttl_mode_evicts_by_stamp_plus_each_classes_time_to_live():
+    """Score mode "ttl" is Continuum's rule per class: blocks leave in order of
+    their stamp plus their class's TTL, ``argmax F(tau) - tau / L``."""
+    reg, (fast, slow) = _registry(2)
+    fast_m, slow_m = ReuseModel.exponential(0.9, 0.1), ReuseModel.exponential(0.05, 0.01)
+    params = WAParams(models={"c0": fast_m, "c1": slow_m}, default=slow_m, horizon=240.0, mode="ttl")
+    clock = SettableClock()
+    q = WorkloadAwareFreeQueue([KVCacheBlock(i) for i in range(30)], params, clock=clock, registry=reg)
+    got = q.popleft_n(30)
+    for i, blk in enumerate(got):
+        blk._block_hash = i
+    # Break-even 240 s: the fast class keeps its blocks ln(0.9 * 0.1 * 240) / 0.1
+    # = 30.7 s longer, the slow one (0.05 * 0.01 * 240 < 1) not at all.
+    assert time_to_live(fast_m, 240.0) == pytest.approx(30.7, abs=0.05)
+    assert time_to_live(slow_m, 240.0) == 0.0
+    for cls, run in ((slow, got[:10]), (fast, got[10:20]), (slow, got[20:])):  # t = 0 .. 29
+        for blk in run:
+            q.block_class[blk.block_id] = cls
+            q.append_n([blk])
+            clock.advance(1.0)
+    # LRU would take the fast blocks (freed at 10 .. 19) before the slow ones
+    # freed at 20 .. 29; stamp + TTL puts them after (40.7 .. 49.7).
+    expect = ids(got[:10]) + ids(got[20:]) + ids(got[10:20])
+    assert ids(q.get_all_free_blocks()) == expect
+    assert ids(q.popleft_n(15)) == expect[:15]
+    clock.advance(60.0)  # the order does not depend on when it is read
+    assert ids(q.get_all_free_blocks()) == expect[15:]
+    q.check_invariants()

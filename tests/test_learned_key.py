@@ -12,6 +12,7 @@ from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.learned_key import FALLBACK, LearnedKey, assign, class_name
 from vllm_wa.controller.survival import SurvivalData, reuse_within
 from vllm_wa.engine_patch.block_tagger import RequestTags
+from vllm_wa.params import time_to_live
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
 from vllm_wa.replay.trace import Trace, TraceRequest
 
@@ -132,3 +133,25 @@ def test_controller_learns_which_cells_come_back_soon():
     # With the tuner off the fixed candidate's time still counts (bench-serve reports it).
     on = state["seconds_on_candidate"]
     assert on["lru"] == 0.0 and on[spec.name] > 0.9 * (setup.trace.end - setup.trace.start)
+
+
+def test_a_ttl_candidate_keeps_the_class_that_comes_back_soon_for_longer():
+    """Score mode "ttl" through the controller: each class's TTL comes from its
+    fitted law, so short replies (back within seconds) get one and long
+    replies (back after 10 to 20 minutes) none; the live queue runs it."""
+    spec = CandidateSpec(("reply",), "exponential", "ttl", 100.0)
+    config = ControllerConfig(
+        refit_interval_s=10.0, fit_interval_s=10.0, min_samples=20, sample_rate=1.0,
+        tuner_enabled=False, initial=spec.name, candidates=(spec,),
+    )
+    cfg = ReplayConfig(controller_config=config)
+    setup = prepare(reply_trace(), ["lru", "wa-online"], cfg)
+    pol = make_policy("wa-online", setup)
+    run_one(setup.trace, pol, 600, cfg, setup.eval_start)
+    params = pol.queue.params
+    assert params.mode == "ttl" and params.source == f"online:{spec.name}"
+    ttl = {name: time_to_live(m, 100.0) for name, m in params.models.items()}
+    short = [v for k, v in ttl.items() if k.endswith("y0")]
+    long = [v for k, v in ttl.items() if k.endswith("y2")]
+    assert short and long, ttl
+    assert min(short) > 5.0 and max(long) == 0.0, ttl

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams, params_changed
+from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams, params_changed, time_to_live
 from vllm_wa.workload_classes import ClassRegistry, TagCounters, normalize_tag
 
 
@@ -122,7 +122,7 @@ def scorers(draw):
     return ClassScorer(
         ReuseModel(tuple(ws), tuple(rs)),
         draw(st.sampled_from([1.0, 5.0, 120.0])),
-        draw(st.sampled_from(["pr", "posterior", "density"])),
+        draw(st.sampled_from(["pr", "posterior", "density", "ttl"])),
     )
 
 
@@ -168,6 +168,25 @@ def test_scores_match_closed_forms():
     assert math.exp(dens.log_score(d)) == pytest.approx(want_pr / occupancy)
     never = ClassScorer(ReuseModel.exponential(0.0, 1.0), 5.0, "pr")
     assert never.log_score(0.0) == -math.inf
+
+
+def test_ttl_is_where_the_reuse_density_falls_to_one_over_the_break_even_time():
+    """Exponential: ``p a exp(-a tau) = 1 / B``, so ``tau = ln(p a B) / a``; a
+    class whose density starts below ``1 / B`` gets no time to live."""
+    m = ReuseModel.exponential(0.6, 0.1)
+    assert time_to_live(m, 300.0) == pytest.approx(math.log(0.6 * 0.1 * 300.0) / 0.1, rel=1e-5)
+    assert time_to_live(m, 10.0) == 0.0  # 0.06 < 1/10
+    assert time_to_live(ReuseModel.exponential(0.0, 1.0), 300.0) == 0.0
+    # A mixture: the density at tau is 1/B.
+    mix = ReuseModel((0.6, 0.3), (0.1, 0.002))
+    tau = time_to_live(mix, 1000.0)
+    assert 0.6 * 0.1 * math.exp(-0.1 * tau) + 0.3 * 0.002 * math.exp(-0.002 * tau) == pytest.approx(1e-3, rel=1e-4)
+    # Ranking: LRU on stamp + tau, across classes.
+    slow = ClassScorer(m, 300.0, "ttl")
+    none = ClassScorer(ReuseModel.exponential(0.01, 0.1), 300.0, "ttl")
+    assert none.ttl == 0.0 and slow.ttl > 0.0
+    assert slow.log_score(slow.ttl + 5.0) == pytest.approx(none.log_score(5.0))
+    assert slow.log_score(slow.ttl + 4.0) > none.log_score(5.0)
 
 
 def test_tags_and_registry_cap():

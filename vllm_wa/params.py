@@ -16,8 +16,16 @@ The queue ranks a free block that has been idle for ``D`` seconds by
                  density of LHD (Beckmann et al., NSDI '18): the chance of a
                  reuse within ``L`` per second of cache space the block holds
                  until then,
+* ``ttl``:       ``(tau - D) / L``, a time-to-live per class: ``tau`` maximizes
+                 ``F(tau) - tau / L``, the chance of a reuse within ``tau``
+                 less the cost of holding the block that long, with ``L`` the
+                 break-even hold time (Continuum's rule, arXiv 2511.02230,
+                 applied to every class's fitted delay law ``F = 1 - S``
+                 instead of tool calls alone).  Blocks are evicted in order of
+                 ``stamp + tau``: LRU with each class's block kept ``tau``
+                 seconds longer; a class with ``tau = 0`` is plain LRU,
 
-where ``S`` is the survival function of the reuse delay.  All three are
+where ``S`` is the survival function of the reuse delay.  All four are
 non-increasing in ``D`` for any mixture of exponentials, so within one class an
 older block never outranks a newer one and the queue may keep one FIFO list per
 class and compare only the list heads.
@@ -35,7 +43,7 @@ from typing import Any
 from vllm_wa.validation import check_number, short_repr
 from vllm_wa.workload_classes import MAX_CLASS_NAME_LENGTH, is_valid_class_name
 
-SCORE_MODES = ("pr", "posterior", "density")
+SCORE_MODES = ("pr", "posterior", "density", "ttl")
 # What a free block's idle time counts from: its release ("free", vLLM's
 # LRU) or the prefix lookup of the request that released it ("lookup").
 STAMPS = ("free", "lookup")
@@ -132,6 +140,8 @@ class ClassScorer:
     _survival_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
     # log(w_k * (1 - exp(-a_k * L)) / a_k), a_k: the expected occupancy within L.
     _occupancy_terms: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+    # The class's time to live (mode "ttl"; 0 otherwise).
+    ttl: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         window: list[tuple[float, float]] = []
@@ -153,8 +163,11 @@ class ClassScorer:
         object.__setattr__(self, "_window_terms", tuple(window))
         object.__setattr__(self, "_survival_terms", tuple(survival))
         object.__setattr__(self, "_occupancy_terms", tuple(occupancy))
+        object.__setattr__(self, "ttl", time_to_live(self.model, self.horizon) if self.mode == "ttl" else 0.0)
 
     def log_score(self, idle_s: float) -> float:
+        if self.mode == "ttl":
+            return (self.ttl - idle_s) / self.horizon
         terms = self._window_terms
         if not terms:
             return _NEG_INF
@@ -183,6 +196,8 @@ class ClassScorer:
             return 0.0
         if target == _NEG_INF:
             return math.inf
+        if self.mode == "ttl":
+            return self.ttl - target * self.horizon
         terms = self._window_terms
         if self.mode == "pr" and len(terms) == 1 and terms[0][1] > 0.0:
             c, r = terms[0]
@@ -219,6 +234,33 @@ class ClassScorer:
                     f_hi *= 0.5
                 side = 1
         return hi
+
+
+def time_to_live(model: ReuseModel, break_even_s: float) -> float:
+    """``argmax_tau F(tau) - tau / B`` for the model's delay law ``F = 1 - S``.
+
+    ``F``'s density ``sum_k w_k a_k exp(-a_k tau)`` only falls, so the
+    maximum is where it crosses ``1 / B`` (0 when it starts below): found by
+    bisection on the log of the density.
+    """
+    terms = [(math.log(w * r), r) for w, r in zip(model.weights, model.rates) if w > 0.0 and r > 0.0]
+    target = -math.log(break_even_s)
+    if not terms or _logsumexp([c for c, _ in terms]) <= target:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while _logsumexp([c - r * hi for c, r in terms]) > target:
+        lo, hi = hi, hi * 4.0
+        if hi > _MAX_IDLE_S:
+            return _MAX_IDLE_S
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if _logsumexp([c - r * mid for c, r in terms]) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-6 * hi:
+            break
+    return hi
 
 
 # The prior: one model shared by every class, which makes the queue order
