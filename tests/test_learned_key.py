@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from vllm_wa.controller.learned_key import FALLBACK, LearnedKey, assign, class_n
 from vllm_wa.controller.survival import SurvivalData, reuse_within
 from vllm_wa.engine_patch.block_tagger import RequestTags
 from vllm_wa.params import time_to_live
-from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
+from vllm_wa.replay.runner import ReplayConfig, SweepSetup, make_policy, prepare, run_one
 from vllm_wa.replay.trace import Trace, TraceRequest
 
 
@@ -110,8 +111,8 @@ def reply_trace(seed: int = 0, conversations: int = 400, duration: float = 4000.
     return Trace("reply-decides", 16, reqs, "generated", synthetic=True)
 
 
-def test_controller_learns_which_cells_come_back_soon():
-    spec = CandidateSpec(("tag", "outcome", "reply"), classes=2)
+def run_fixed_candidate(spec: CandidateSpec) -> tuple[SweepSetup, Any]:
+    """``wa-online`` on the reply trace with ``spec`` alone, tuner off, in 600 blocks."""
     config = ControllerConfig(
         refit_interval_s=10.0, fit_interval_s=10.0, min_samples=20, sample_rate=1.0,
         tuner_enabled=False, initial=spec.name, candidates=(spec,),
@@ -120,6 +121,12 @@ def test_controller_learns_which_cells_come_back_soon():
     setup = prepare(reply_trace(), ["lru", "wa-online"], cfg)
     pol = make_policy("wa-online", setup)
     run_one(setup.trace, pol, 600, cfg, setup.eval_start)
+    return setup, pol
+
+
+def test_controller_learns_which_cells_come_back_soon():
+    spec = CandidateSpec(("tag", "outcome", "reply"), classes=2)
+    setup, pol = run_fixed_candidate(spec)
     table = dict(pol.controller.candidates[spec.name].key.table)
     # Short replies (bucket y0) come back within a minute, long ones (y2) do not.
     fast = {v for k, v in table.items() if k.endswith(".y0")}
@@ -140,14 +147,7 @@ def test_a_ttl_candidate_keeps_the_class_that_comes_back_soon_for_longer():
     fitted law, so short replies (back within seconds) get one and long
     replies (back after 10 to 20 minutes) none; the live queue runs it."""
     spec = CandidateSpec(("reply",), "exponential", "ttl", 100.0)
-    config = ControllerConfig(
-        refit_interval_s=10.0, fit_interval_s=10.0, min_samples=20, sample_rate=1.0,
-        tuner_enabled=False, initial=spec.name, candidates=(spec,),
-    )
-    cfg = ReplayConfig(controller_config=config)
-    setup = prepare(reply_trace(), ["lru", "wa-online"], cfg)
-    pol = make_policy("wa-online", setup)
-    run_one(setup.trace, pol, 600, cfg, setup.eval_start)
+    _, pol = run_fixed_candidate(spec)
     params = pol.queue.params
     assert params.mode == "ttl" and params.source == f"online:{spec.name}"
     ttl = {name: time_to_live(m, 100.0) for name, m in params.models.items()}
