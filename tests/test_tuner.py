@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.config import ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController
 from vllm_wa.controller.tuner import LRU, PairedHits, Switch, Tuner, TunerSettings, sequential_z
 from vllm_wa.engine_patch.events import EventSink
@@ -90,6 +90,66 @@ def test_leads_early_loses_later_back_on_lru_within_the_demotion_window():
     # The demoted candidate's early lead no longer counts: it stays demoted.
     run(tuner, rng, t, t + 600.0, 0.40, 0.30)
     assert tuner.active == LRU
+
+
+def run_three(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, float, float]) -> None:
+    """Like ``run`` for three candidates (LRU, A, B), paired by one draw per block."""
+    t = t0
+    while t < t1:
+        end = t + 5.0
+        while t < end:
+            u = [rng.random() for _ in range(8)]
+            tuner.record(t, 8, [sum(x < q for x in u) for q in p])
+            t += 0.5
+        tuner.decide(t)
+
+
+def test_a_candidate_that_falls_behind_another_is_replaced_within_the_demotion_window():
+    """A leads early and is promoted; then B leads A (both still ahead of LRU):
+    the tuner moves from A to B without going back to LRU, within the
+    demotion window; with replacement off the mixture boundary takes longer."""
+    a, b = "a", "b"
+    times = {}
+    for conf in (0.99, 0.0):
+        settings = TunerSettings(
+            margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=200, min_batches=6,
+            replace_confidence=conf,
+        )
+        tuner = Tuner([LRU, a, b], settings)
+        rng = random.Random(4)
+        run_three(tuner, rng, 0.0, 1500.0, (0.30, 0.45, 0.35))
+        assert tuner.active == a and tuner.promotions == 1
+        crossover = t = 1500.0
+        while tuner.active == a and t < crossover + 3600:
+            run_three(tuner, rng, t, t + 5.0, (0.30, 0.33, 0.45))
+            t += 5.0
+        assert tuner.active == b and tuner.demotions == 0
+        times[conf] = t - crossover
+        sw = tuner.switches[-1]
+        assert sw.reason == ("replace" if conf else "promote")
+        assert tuner.replacements == (1 if conf else 0)
+    assert times[0.99] <= 300.0 < times[0.0]
+
+
+def test_replacement_never_moves_on_noise_or_away_from_lru():
+    settings = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=200, min_batches=6)
+    tuner = Tuner([LRU, "a", "b"], settings)
+    rng = random.Random(5)
+    run_three(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30))
+    assert tuner.active == "a"
+    # A and B equal (both ahead of LRU) for two hours of refits: no move.
+    run_three(tuner, rng, 1200.0, 8400.0, (0.30, 0.40, 0.40))
+    assert tuner.active == "a" and tuner.replacements == 0
+    # On LRU it never fires, whatever the candidates do between them: leaving
+    # LRU takes a promotion's evidence.
+    tuner = Tuner([LRU, "a", "b"], settings)
+    t = 0.0
+    while t < 600.0:
+        u = [rng.random() for _ in range(8)]
+        tuner.record(t, 8, [sum(x < q for x in u) for q in (0.30, 0.30, 0.60)])
+        t += 0.5
+    assert tuner.active == LRU
+    assert tuner._replacement(600.0) is None and tuner._promotion(600.0) is not None
 
 
 def just_promoted_demotions(episodes: int, seed: int) -> int:
@@ -342,3 +402,12 @@ def test_params_changed_tolerance():
     assert params_changed(base, WAParams(models={"b": ReuseModel.exponential(0.5, 0.1)}), 0.01)
     assert params_changed(base, base.evolve(horizon=20.0), 0.01)
     assert params_changed(base, base.evolve(mode="posterior"), 0.01)
+
+
+def test_replace_confidence_is_validated_and_zero_turns_it_off():
+    from_config = ControllerConfig(tuner_replace_confidence=0.0).tuner_settings
+    assert from_config.replace_confidence == 0.0
+    assert ControllerConfig().tuner_settings.replace_confidence == 0.99
+    for bad in (0.3, 1.0, -0.5):
+        with pytest.raises(ConfigError, match="tuner_replace_confidence"):
+            ControllerConfig(tuner_replace_confidence=bad)

@@ -562,6 +562,7 @@ class WAController:
             "switches": tuner["switches"],
             "promotions": tuner["promotions"],
             "demotions": tuner["demotions"],
+            "replacements": tuner["replacements"],
             "seconds_on_candidate": tuner["seconds_on_candidate"],
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
