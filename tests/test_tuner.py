@@ -128,6 +128,8 @@ def test_a_candidate_that_falls_behind_another_is_replaced_within_the_demotion_w
         sw = tuner.switches[-1]
         assert sw.reason == ("replace" if conf else "promote")
         assert tuner.replacements == (1 if conf else 0)
+        if conf:  # the replaced candidate's earlier lead no longer counts
+            assert tuner.evidence_since[a] == sw.time
     assert times[0.99] <= 300.0 < times[0.0]
 
 

@@ -80,7 +80,7 @@ with a batch-means standard error.
   back soon after: on the agentic split at 15 % the lookup-stamped
   think-time candidate led LRU's miniature cache by 6 to 10 points from
   2,400 to 3,600 s, was promoted at 3,216 s, and led by 0.2 points from
-  4,200 s while the candidate it replaced led by 2.2; the mixture boundary
+  4,200 s while the candidate it had replaced led by 2.2; the mixture boundary
   that a move between two candidates faces kept it until 4,771 s.  Replayed
   through the recorded miniature-cache hits of all five sizes, the rule
   moves at 15 % to the release-stamped think-time candidate at 4,591 s and
@@ -88,7 +88,8 @@ with a batch-means standard error.
   release-stamped candidate at 6,751 s); at 8 % it adds a move before the
   evaluation window, and at 5, 11 and 20 % it never fires.  At 0.95 it
   also moved on noise at 8 % and 11 %.  It never moves away from LRU: that
-  takes a promotion.
+  takes a promotion.  A replaced candidate's earlier lead no longer counts,
+  as a demoted one's does not.
 
 Every switch is logged with the evidence behind it.
 """
@@ -351,6 +352,7 @@ class Tuner:
         replace = self._replacement(now)
         if replace is not None:
             name, cmp, lb = replace
+            self.evidence_since[self.active] = now
             self.replacements += 1
             return self._switch(now, name, "replace", cmp, lb)
         return None
