@@ -620,7 +620,6 @@ def test_sorted_stamps_match_a_sorted_list_across_bucket_splits():
     assert list(_SortedStamps(ref)) == ref
 
 
-
 def test_ttl_mode_evicts_by_stamp_plus_each_classes_time_to_live():
     """Score mode "ttl" is Continuum's rule per class: blocks leave in order of
     their stamp plus their class's TTL, ``argmax F(tau) - tau / L``."""

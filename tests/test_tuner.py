@@ -92,15 +92,21 @@ def test_leads_early_loses_later_back_on_lru_within_the_demotion_window():
     assert tuner.active == LRU
 
 
-def run_three(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, float, float]) -> None:
-    """Like ``run`` for three candidates (LRU, A, B), paired by one draw per block."""
+def stream_three(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, float, float]) -> None:
+    """Like ``stream`` for three candidates (LRU, A, B), paired by one draw per block."""
     t = t0
     while t < t1:
-        end = t + 5.0
-        while t < end:
-            u = [rng.random() for _ in range(8)]
-            tuner.record(t, 8, [sum(x < q for x in u) for q in p])
-            t += 0.5
+        u = [rng.random() for _ in range(8)]
+        tuner.record(t, 8, [sum(x < q for x in u) for q in p])
+        t += 0.5
+
+
+def run_three(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, float, float]) -> None:
+    """Like ``run`` for three candidates: ``stream_three`` with a decision every 5 s."""
+    t = t0
+    while t < t1:
+        stream_three(tuner, rng, t, t + 5.0, p)
+        t += 5.0
         tuner.decide(t)
 
 
@@ -145,11 +151,7 @@ def test_replacement_never_moves_on_noise_or_away_from_lru():
     # On LRU it never fires, whatever the candidates do between them: leaving
     # LRU takes a promotion's evidence.
     tuner = Tuner([LRU, "a", "b"], settings)
-    t = 0.0
-    while t < 600.0:
-        u = [rng.random() for _ in range(8)]
-        tuner.record(t, 8, [sum(x < q for x in u) for q in (0.30, 0.30, 0.60)])
-        t += 0.5
+    stream_three(tuner, rng, 0.0, 600.0, (0.30, 0.30, 0.60))
     assert tuner.active == LRU
     assert tuner._replacement(600.0) is None and tuner._promotion(600.0) is not None
 

@@ -88,8 +88,8 @@ with a batch-means standard error.
   release-stamped candidate at 6,751 s); at 8 % it adds a move before the
   evaluation window, and at 5, 11 and 20 % it never fires.  At 0.95 it
   also moved on noise at 8 % and 11 %.  It never moves away from LRU: that
-  takes a promotion.  A replaced candidate's earlier lead no longer counts,
-  as a demoted one's does not.
+  takes a promotion.  A replaced candidate's earlier lead no longer
+  counts, as with a demoted one.
 
 Every switch is logged with the evidence behind it.
 """
@@ -263,7 +263,7 @@ class Tuner:
         self.seconds_on = {n: 0.0 for n in self.names}
         self._last = None
         self._t_demote: dict[int, float] = {}
-        self._t_replace: dict[int, float] = {}  # the candidate count is fixed
+        self._t_replace: dict[int, float] = {}
         # Batches a full promotion window holds, and its bar (see the module doc).
         self._full_batches = max(s.min_batches, int(s.window_s // s.batch_s))
         self._z_full = float(norm.ppf(s.full_window_confidence))
@@ -363,7 +363,6 @@ class Tuner:
         if self.active == LRU or not s.replace_confidence:
             return None
         since = max(now - s.demote_window_s, self.active_since)
-        others = len(self.names) - 2
         best: tuple[str, Comparison, float] | None = None
         for name in self.names:
             if name == self.active or name == LRU:
@@ -371,15 +370,16 @@ class Tuner:
             cmp = self.hits.compare(name, self.active, since)
             if cmp.batches < 3:
                 continue
-            lb = cmp.lower(self._replace_quantile(cmp.batches, others))
+            lb = cmp.lower(self._replace_quantile(cmp.batches))
             if lb > s.margin and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
         return best
 
-    def _replace_quantile(self, batches: int, others: int) -> float:
+    def _replace_quantile(self, batches: int) -> float:
         q = self._t_replace.get(batches)
         if q is None:
-            alpha = (1.0 - self.settings.replace_confidence) / max(1, others)
+            # Bonferroni over the candidates a replacement may choose (not LRU, not the running one).
+            alpha = (1.0 - self.settings.replace_confidence) / max(1, len(self.names) - 2)
             q = self._t_replace[batches] = float(student_t.ppf(1.0 - alpha, batches - 1))
         return q
 
