@@ -83,9 +83,13 @@ class BeladyFreeQueue:
         self._orphans: list[KVCacheBlock] = []  # free blocks whose parent was evicted
         self._blocks: list[KVCacheBlock | None] = [None] * n
         # Prefix links recorded by the oracle: the parent block and the hash it
-        # held, and each block's children.
-        self.parent: list[tuple[KVCacheBlock, object] | None] = [None] * n
-        self.children: dict[int, set[int]] = {}
+        # held, and each block's children (its first in ``child``, -1 for
+        # none; any others in ``more_children``). Entries of blocks that since
+        # moved are stale, skipped by the parent check.
+        self.parent: list[KVCacheBlock | None] = [None] * n
+        self.parent_hash: list[object] = [None] * n
+        self.child = [-1] * n
+        self.more_children: dict[int, set[int]] = {}
         self.num_free_blocks = 0
         unhashed = [b for b in blocks if b._block_hash is None]
         self.prepend_n(unhashed)
@@ -97,8 +101,8 @@ class BeladyFreeQueue:
         self._version[bid] = ver
         self._is_free[bid] = 1
         self._blocks[bid] = b
-        link = self.parent[bid]
-        if link is not None and link[0]._block_hash != link[1]:
+        p = self.parent[bid]
+        if p is not None and p._block_hash != self.parent_hash[bid]:
             self._orphans.append(b)
             return
         key = self.next_use[bid]
@@ -116,13 +120,14 @@ class BeladyFreeQueue:
 
     def _orphan_children(self, b: KVCacheBlock) -> None:
         """``b`` is being evicted: its free children can no longer be hit."""
-        kids = self.children.pop(b.block_id, None)
-        if not kids:
+        bid = b.block_id
+        first = self.child[bid]
+        if first < 0:
             return
+        self.child[bid] = -1
         parent, is_free, version = self.parent, self._is_free, self._version
-        for cid in kids:
-            link = parent[cid]
-            if link is not None and link[0] is b and is_free[cid]:
+        for cid in (first, *self.more_children.pop(bid, ())):
+            if parent[cid] is b and is_free[cid]:
                 version[cid] += 1  # drop its bucket entry
                 self._orphans.append(self._blocks[cid])
 
@@ -130,7 +135,9 @@ class BeladyFreeQueue:
         self.append_n([block])
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        version, is_free, parent, next_use = self._version, self._is_free, self.parent, self.next_use
+        version, is_free, parent, parent_hash, next_use = (
+            self._version, self._is_free, self.parent, self.parent_hash, self.next_use
+        )
         buckets, blocks_by_id, shift = self._buckets, self._blocks, self.id_bits
         last_key, bucket = None, None  # a prompt's blocks mostly share their next use
         for b in blocks:
@@ -143,8 +150,8 @@ class BeladyFreeQueue:
             version[bid] = ver
             is_free[bid] = 1
             blocks_by_id[bid] = b
-            link = parent[bid]
-            if link is not None and link[0]._block_hash != link[1]:
+            p = parent[bid]
+            if p is not None and p._block_hash != parent_hash[bid]:
                 self._orphans.append(b)
                 continue
             key = next_use[bid]
@@ -199,7 +206,7 @@ class BeladyFreeQueue:
         out: list[KVCacheBlock] = []
         fresh, version, is_free = self._fresh, self._version, self._is_free
         orphans, buckets, keys, blocks = self._orphans, self._buckets, self._keys, self._blocks
-        children = self.children
+        child = self.child
         shift = self.id_bits
         mask = (1 << shift) - 1
         while len(out) < n and fresh:
@@ -226,7 +233,7 @@ class BeladyFreeQueue:
                 b = blocks[bid]
             is_free[b.block_id] = 0
             out.append(b)
-            if b.block_id in children:
+            if child[b.block_id] >= 0:
                 self._orphan_children(b)
         self.num_free_blocks -= n
         if self._entries > 4 * (self.num_free_blocks + 1024):
@@ -316,15 +323,17 @@ class BeladyOracle:
         """
         nxt = self._next_uses(index, len(blocks))
         q = self.queue
-        next_use, parent, children = q.next_use, q.parent, q.children
-        for j in range(n_hit):
-            next_use[blocks[j].block_id] = nxt[j]
+        next_use, parent, parent_hash, child, more_children = (
+            q.next_use, q.parent, q.parent_hash, q.child, q.more_children
+        )
+        for b, u in zip(blocks[:n_hit], nxt):
+            next_use[b.block_id] = u
         trace_hash, blocks_of, block_of = self.trace_hash, self.blocks_of, self._block
         prev = blocks[n_hit - 1] if n_hit > 0 else None
-        for j in range(n_hit, len(blocks)):
-            b = blocks[j]
+        prev_id = prev.block_id if prev is not None else -1
+        prev_hash = prev._block_hash if prev is not None else None
+        for b, h, u in zip(blocks[n_hit:], hashes[n_hit : len(blocks)], nxt[n_hit:]):
             bid = b.block_id
-            h = hashes[j]
             old = trace_hash[bid]
             if old != h:
                 if old is not None:
@@ -340,14 +349,17 @@ class BeladyOracle:
                 else:
                     s.add(bid)
                 block_of[bid] = b
-            next_use[bid] = nxt[j]
-            if prev is None:
-                parent[bid] = None
-            else:
-                parent[bid] = (prev, prev._block_hash)
-                kids = children.get(prev.block_id)
-                if kids is None:
-                    children[prev.block_id] = {bid}
-                else:
-                    kids.add(bid)
-            prev = b
+            next_use[bid] = u
+            parent[bid] = prev
+            parent_hash[bid] = prev_hash
+            if prev_id >= 0:
+                c = child[prev_id]
+                if c < 0:
+                    child[prev_id] = bid
+                elif c != bid:
+                    kids = more_children.get(prev_id)
+                    if kids is None:
+                        more_children[prev_id] = {bid}
+                    else:
+                        kids.add(bid)
+            prev, prev_id, prev_hash = b, bid, b._block_hash

@@ -94,42 +94,64 @@ class ARCQueue(PeerQueue):
         b1, b2 = self.b1, self.b2
         if not (b1 or b2):
             return
-        primary = self.resident.primary
-        for j in range(len(hashes) - 1, len(hit_blocks) - 1, -1):
-            key = hashes[j]
-            if key in primary:
-                continue  # stored already: not a store miss
-            if b1 and key in b1:
-                r = len(b2) / len(b1)
-                self.target_t1_size = min(self.target_t1_size + (r if r > 1.0 else 1.0), self.capacity)
-                b1.move_to_end(key)
-            elif b2 and key in b2:
-                r = len(b1) / len(b2)
-                self.target_t1_size = max(self.target_t1_size - (r if r > 1.0 else 1.0), 0.0)
-                b2.move_to_end(key)
+        # A ghost key is never resident (a key leaves the ghost lists when it
+        # is stored, and joins one only when no block holds it), so the store
+        # misses that meet a ghost are the prompt's keys past the hit prefix
+        # found in B1 or B2, found with C-level set intersections.
+        misses = hashes[len(hit_blocks) :]
+        in_b1 = b1.keys() & misses
+        in_b2 = b2.keys() & misses
+        if not (in_b1 or in_b2):
+            return
+        if in_b1 and in_b2:  # both lists: the updates interleave, in reverse prompt order
+            for key in reversed(misses):
+                if key in in_b1:
+                    r = len(b2) / len(b1)
+                    self.target_t1_size = min(self.target_t1_size + max(1.0, r), self.capacity)
+                    b1.move_to_end(key)
+                elif key in in_b2:
+                    r = len(b1) / len(b2)
+                    self.target_t1_size = max(self.target_t1_size - max(1.0, r), 0.0)
+                    b2.move_to_end(key)
+            return
+        # One list (a move keeps its size, so each step is the same): the
+        # same float steps, with the list reordered by C-level calls.
+        ghosts, found = (b1, in_b1) if in_b1 else (b2, in_b2)
+        keys = [key for key in reversed(misses) if key in found]
+        r = (len(b2) / len(b1)) if ghosts is b1 else (len(b1) / len(b2))
+        step = max(1.0, r)
+        t, cap = self.target_t1_size, self.capacity
+        if ghosts is b1:
+            for _ in keys:
+                t = min(t + step, cap)
+        else:
+            for _ in keys:
+                t = max(t - step, 0.0)
+        self.target_t1_size = t
+        deque(map(ghosts.move_to_end, keys), maxlen=0)
 
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
         hashes, key_of, where, stamp = req.hashes, self.key_of, self.where, self.stamp
         b1, b2, resident = self.b1, self.b2, self.resident
-        primary = resident.primary
+        setdefault = resident.primary.setdefault
+        new_keys = hashes[n_hit : len(blocks)]
+        # Stored keys leave the ghost lists (C-level intersections).
+        if b1:
+            deque(map(b1.__delitem__, b1.keys() & new_keys), maxlen=0)
+        if b2:
+            deque(map(b2.__delitem__, b2.keys() & new_keys), maxlen=0)
         tick = self._tick
+        bids = [b.block_id for b in blocks[n_hit:]]
         held_elsewhere: list[int] = []
-        for j in range(n_hit, len(blocks)):
-            bid = blocks[j].block_id
-            key = hashes[j]
+        for bid, key, t in zip(bids, new_keys, range(tick + 1, tick + 1 + len(bids))):
             key_of[bid] = key
             where[bid] = _T1
-            tick += 1
-            stamp[bid] = tick
-            if b1 and key in b1:
-                del b1[key]
-            if b2 and key in b2:
-                del b2[key]
-            if primary.setdefault(key, bid) != bid:
+            stamp[bid] = t
+            if setdefault(key, bid) != bid:
                 resident.add(key, bid)  # a second block holding the key
-                held_elsewhere.append(j)
-        self.t1_size += len(blocks) - n_hit
-        self._tick = tick
+                held_elsewhere.append(n_hit + bids.index(bid))
+        self.t1_size += len(bids)
+        self._tick = tick + len(bids)
         self._running[req.request_id] = (n_hit, len(blocks), held_elsewhere)
 
     def on_free(self, req: RequestHints, blocks: Sequence[KVCacheBlock], now: float) -> None:
@@ -140,9 +162,25 @@ class ARCQueue(PeerQueue):
         where, stamp, is_free, shift = self.where, self.stamp, self.is_free, self.id_bits
         primary, h2, r2 = self.resident.primary, self._heaps[_T2], self._runs[_T2]
         hashes = req.hashes
-        other = set(held_elsewhere)
         tick = self._tick
         promoted = 0
+        if not held_elsewhere:
+            # Inserted only: each to its list's MRU end, tail first.
+            for bid in reversed([b.block_id for b in blocks[n_hit:n_cached]]):
+                tick += 1
+                stamp[bid] = tick
+            # Reused (hits, pinned by this request): to T2's MRU end, tail first.
+            for bid in reversed([b.block_id for b in blocks[:n_hit]]):
+                if where[bid] == _T1:
+                    where[bid] = _T2
+                    promoted += 1
+                tick += 1
+                stamp[bid] = tick
+            self.t1_size -= promoted
+            self.t2_size += promoted
+            self._tick = tick
+            return
+        other = set(held_elsewhere)
         for j in range(n_cached - 1, -1, -1):
             bid = blocks[j].block_id
             if j >= n_hit:
@@ -191,77 +229,98 @@ class ARCQueue(PeerQueue):
             self._compact()
 
     def _evict(self, n: int) -> list[KVCacheBlock]:
-        stamp, is_free, block = self.stamp, self.is_free, self.block
+        stamp, is_free = self.stamp, self.is_free
         h1, h2 = self._heaps[_T1], self._heaps[_T2]
         r1, r2 = self._runs[_T1], self._runs[_T2]
         heappop = heapq.heappop
         shift = self.id_bits
         mask = (1 << shift) - 1
-        out: list[KVCacheBlock] = []
-        from_t1: list[bool] = []
+        # Victims in eviction order, and those taken from T1 / T2.
+        order: list[int] = []
+        from_t1: list[int] = []
+        from_t2: list[int] = []
         virtual_t1 = self.t1_size
         target = int(self.target_t1_size)
         # Stamps are unique and renewed on every move between lists, so an
         # entry whose stamp still matches is in the list its run or heap stands for.
 
-        def pop_valid(run: deque[int], heap: list[int]) -> int:
-            # The least stamp of the list: the smaller head of its run and its heap.
-            while True:
-                if heap and (not run or heap[0] < run[0]):
-                    e = heappop(heap)
-                elif run:
-                    e = run.popleft()
-                else:
-                    return -1
-                b = e & mask
-                if is_free[b] and stamp[b] == e >> shift:
-                    return b
+        def take(run: deque[int], heap: list[int], k: int, into: list[int]) -> int:
+            # Up to k entries of the list, least stamp first (the smaller head
+            # of its run and its heap), appended to ``into``; how many.
+            start = len(into)
+            if not heap:  # the usual case: the run alone
+                popleft = run.popleft
+                while k and run:
+                    e = popleft()
+                    b = e & mask
+                    if is_free[b] and stamp[b] == e >> shift:
+                        is_free[b] = 0  # not eligible again in this pass
+                        into.append(b)
+                        k -= 1
+            else:
+                while k:
+                    if heap and (not run or heap[0] < run[0]):
+                        e = heappop(heap)
+                    elif run:
+                        e = run.popleft()
+                    else:
+                        break
+                    b = e & mask
+                    if is_free[b] and stamp[b] == e >> shift:
+                        is_free[b] = 0
+                        into.append(b)
+                        k -= 1
+            got = len(into) - start
+            if got:
+                order.extend(into[start:])
+            return got
 
-        for _ in range(n):
-            bid = pop_valid(r1, h1) if virtual_t1 >= target else -1
-            if bid >= 0:
-                virtual_t1 -= 1
-                from_t1.append(True)
+        # Per victim, ARC takes T1's LRU entry while T1 is at or above its
+        # target, else T2's, else T1's (vLLM #55461); taken here in runs.
+        while len(order) < n:
+            need = n - len(order)
+            if virtual_t1 >= target:
+                got = take(r1, h1, min(need, virtual_t1 - target + 1), from_t1)
+                virtual_t1 -= got
+                if got or take(r2, h2, need, from_t2):
+                    continue
+            elif take(r2, h2, need, from_t2):
+                continue
             else:
-                bid = pop_valid(r2, h2)
-                if bid >= 0:
-                    from_t1.append(False)
-                else:  # vLLM #55461: fall back to T1
-                    bid = pop_valid(r1, h1)
-                    if bid < 0:
-                        raise RuntimeError("ARC found fewer evictable blocks than the queue counts")
-                    virtual_t1 -= 1
-                    from_t1.append(True)
-            is_free[bid] = 0  # not eligible again in this pass
-            out.append(block[bid])
+                got = take(r1, h1, need, from_t1)
+                virtual_t1 -= got
+                if got:
+                    continue
+            raise RuntimeError("ARC found fewer evictable blocks than the queue counts")
         # Commit: the victims leave T1/T2 for the ghost lists.
-        b1, b2, key_of, resident, where = self.b1, self.b2, self.key_of, self.resident, self.where
-        primary, others = resident.primary, resident._others
-        n1 = 0
-        for b, t1 in zip(out, from_t1):
-            bid = b.block_id
-            key = key_of[bid]
-            if others and key in others:
-                gone = resident.discard(key, bid)
-            else:
-                del primary[key]
-                gone = True
-            if t1:
-                n1 += 1
-                if gone:
-                    b1[key] = None
-            elif gone:
-                b2[key] = None
+        key_of, where, resident = self.key_of, self.where, self.resident
+        if not resident._others:
+            # No key is held twice: every victim's key goes (C-level loops;
+            # each ghost list keeps its victims' eviction order).
+            primary = resident.primary
+            for victims, ghosts in ((from_t1, self.b1), (from_t2, self.b2)):
+                if victims:
+                    keys = [key_of[bid] for bid in victims]
+                    deque(map(primary.__delitem__, keys), maxlen=0)
+                    ghosts.update(dict.fromkeys(keys))
+        else:
+            t1 = set(from_t1)
+            b1, b2, discard = self.b1, self.b2, resident.discard
+            for bid in order:
+                key = key_of[bid]
+                if discard(key, bid):
+                    (b1 if bid in t1 else b2)[key] = None
+        for bid in order:
             where[bid] = 0
             key_of[bid] = None
-        self.t1_size -= n1
-        self.t2_size -= len(out) - n1
+        self.t1_size -= len(from_t1)
+        self.t2_size -= len(from_t2)
         cap = self.capacity
-        while len(b1) > cap:
-            b1.popitem(last=False)
-        while len(b2) > cap:
-            b2.popitem(last=False)
-        return out
+        for ghosts in (self.b1, self.b2):
+            for _ in range(len(ghosts) - cap):
+                ghosts.popitem(last=False)
+        block = self.block
+        return [block[bid] for bid in order]
 
     def _compact(self) -> None:
         stamp, is_free, shift = self.stamp, self.is_free, self.id_bits
