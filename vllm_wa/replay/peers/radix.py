@@ -94,40 +94,43 @@ class RadixLeafQueue(PeerQueue):
                 self._push(b.block_id)
         self._pending_hits = ()
 
-    def _insert(self, blocks: Sequence[KVCacheBlock], total_tokens: int, inserts: int) -> None:
-        """``_insert_helper`` ``inserts`` times over the request's path: stamp it, count hits."""
+    def _insert(self, bids: list[int], total_tokens: int, inserts: int) -> None:
+        """``_insert_helper`` ``inserts`` times over the request's path (block ids): stamp it, count hits."""
         t = self._tick()
         last, hits = self.last_access, self.hit_count
-        for b in blocks:
-            bid = b.block_id
+        for bid in bids:
             last[bid] = t
             hits[bid] += inserts
 
     def on_admitted(self, req: RequestHints, blocks: Sequence[KVCacheBlock], n_hit: int, now: float) -> None:
         self._pending_hits = ()
-        key_of, hashes, parent, children, depth = self.key_of, req.hashes, self.parent, self.children, self.depth
+        self._clock += 1  # prefill's insert creates the new nodes
+        if n_hit == len(blocks):
+            return
+        key_of, parent, children, depth = self.key_of, self.parent, self.children, self.depth
         creation, hits, queued = self.creation, self.hit_count, self.queued
-        t = self._clock + 1  # prefill's insert creates the new nodes
+        t = self._clock
         prev = blocks[n_hit - 1].block_id if n_hit > 0 else -1
-        for j in range(n_hit, len(blocks)):
-            bid = blocks[j].block_id
-            key_of[bid] = hashes[j]
+        if prev >= 0:
+            children[prev] += 1
+        # The new blocks are a chain: each is the parent of the next, the last a leaf.
+        bids = [b.block_id for b in blocks[n_hit:]]
+        for j, bid, key in zip(range(n_hit, len(blocks)), bids, req.hashes[n_hit : len(blocks)]):
+            key_of[bid] = key
             parent[bid] = prev
-            if prev >= 0:
-                children[prev] += 1
-            children[bid] = 0
+            children[bid] = 1
             depth[bid] = j
             creation[bid] = t
             hits[bid] = 0
             queued[bid] = -1
             prev = bid
-        self._clock += 1  # the new nodes' creation time
+        children[prev] = 0
 
     def on_free(self, req: RequestHints, blocks: Sequence[KVCacheBlock], now: float) -> None:
         # cache_unfinished_req after prefill (unless the reply ended there),
         # then cache_finished_req with prompt + output.
         out = req.output_tokens or 0
-        self._insert(blocks, req.input_tokens + out, 2 if out > 1 else 1)
+        self._insert([b.block_id for b in blocks], req.input_tokens + out, 2 if out > 1 else 1)
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -152,7 +155,7 @@ class RadixLeafQueue(PeerQueue):
         key_of, block, priority = self.key_of, self.block, self.priority
         mask = (1 << self.id_bits) - 1
         heappop, heappush = heapq.heappop, heapq.heappush
-        out: list[KVCacheBlock] = []
+        out: list[int] = []
         nxt = -1  # a leaf known to come before everything in the heap
         while len(out) < n:
             if nxt >= 0:
@@ -166,13 +169,14 @@ class RadixLeafQueue(PeerQueue):
                     continue
             is_free[bid] = 0
             queued[bid] = -1
-            out.append(block[bid])
+            out.append(bid)
             key_of[bid] = None
             p = parent[bid]
             if p >= 0:
                 parent[bid] = -1
-                children[p] -= 1
-                if not children[p] and is_free[p]:
+                left = children[p] - 1
+                children[p] = left
+                if not left and is_free[p]:
                     # The new leaf usually goes next (a chain is evicted tail
                     # first): skip the heap when it beats the heap's minimum.
                     pr = priority(p)
@@ -183,7 +187,7 @@ class RadixLeafQueue(PeerQueue):
                         nxt = p
         if nxt >= 0:
             self._push(nxt)
-        return out
+        return [block[bid] for bid in out]
 
     def _compact(self) -> None:
         queued, is_free, children = self.queued, self.is_free, self.children

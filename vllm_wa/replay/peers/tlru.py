@@ -51,18 +51,18 @@ class TLRUQueue(RadixLeafQueue):
         super().__init__(blocks, block_size, num_block_ids)
         self.history_len = [0] * len(self.parent)  # tokens, high-water
 
-    def _insert(self, blocks: Sequence[KVCacheBlock], total_tokens: int, inserts: int) -> None:
-        super()._insert(blocks, total_tokens, inserts)
+    def _insert(self, bids: list[int], total_tokens: int, inserts: int) -> None:
+        super()._insert(bids, total_tokens, inserts)
         hw = self.history_len
         length = total_tokens // self.block_size * self.block_size  # page-aligned, as SGLang inserts
-        for b in blocks:
-            if hw[b.block_id] < length:
-                hw[b.block_id] = length
+        for bid in bids:
+            if hw[bid] < length:
+                hw[bid] = length
 
     def on_admitted(self, req, blocks, n_hit, now) -> None:
         hw = self.history_len
-        for j in range(n_hit, len(blocks)):
-            hw[blocks[j].block_id] = 0
+        for b in blocks[n_hit:]:
+            hw[b.block_id] = 0
         super().on_admitted(req, blocks, n_hit, now)
 
     def priority(self, bid: int) -> int:
