@@ -27,8 +27,6 @@ and ``qhat_tokens`` (vLLM's default 200). Only ``xi - qhat`` matters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_wa.replay.peers.radix import RadixLeafQueue
