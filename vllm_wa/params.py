@@ -147,6 +147,11 @@ class ClassScorer:
         window: list[tuple[float, float]] = []
         survival: list[tuple[float, float]] = []
         occupancy: list[tuple[float, float]] = []
+        if self.mode == "ttl":  # scored by its time to live alone: no terms to build
+            for name in ("_window_terms", "_survival_terms", "_occupancy_terms"):
+                object.__setattr__(self, name, ())
+            object.__setattr__(self, "ttl", time_to_live(self.model, self.horizon))
+            return
         for w, r in zip(self.model.weights, self.model.rates):
             if w > 0.0:
                 survival.append((math.log(w), r))
@@ -163,7 +168,7 @@ class ClassScorer:
         object.__setattr__(self, "_window_terms", tuple(window))
         object.__setattr__(self, "_survival_terms", tuple(survival))
         object.__setattr__(self, "_occupancy_terms", tuple(occupancy))
-        object.__setattr__(self, "ttl", time_to_live(self.model, self.horizon) if self.mode == "ttl" else 0.0)
+        object.__setattr__(self, "ttl", 0.0)
 
     def log_score(self, idle_s: float) -> float:
         if self.mode == "ttl":
