@@ -177,6 +177,50 @@ def test_arc_evicts_each_list_in_stamp_order():
             assert all(list(r) == sorted(r) for r in q._runs)
 
 
+def test_arc_store_misses_move_the_target_as_the_key_by_key_loop_does():
+    """The batched ghost-hit updates (set intersections, one step size per
+    list) equal vLLM's per-key loop over the prompt's store misses, last key
+    first, on random traffic whose keys come back through both ghost lists;
+    and no ghost key is ever resident, which the batching relies on."""
+    import random
+
+    pol = peer("arc")
+    h = Harness(pol, 12)
+    q = pol.queue
+    lookup = q.on_lookup
+    both_lists = [0]
+
+    def reference(hit_blocks, hashes):
+        b1, b2 = dict(q.b1), dict(q.b2)
+        order1, order2 = list(q.b1), list(q.b2)
+        t = q.target_t1_size
+        for key in reversed(hashes[len(hit_blocks):]):
+            if key in b1:
+                t = min(t + max(1.0, len(b2) / len(b1)), q.capacity)
+                order1.remove(key)
+                order1.append(key)
+            elif key in b2:
+                t = max(t - max(1.0, len(b1) / len(b2)), 0.0)
+                order2.remove(key)
+                order2.append(key)
+        return t, order1, order2
+
+    def checked_lookup(req, hit_blocks, hashes, now):
+        assert not (set(q.b1) | set(q.b2)) & set(q.resident.primary)
+        misses = set(hashes[len(hit_blocks):])
+        both_lists[0] += bool(misses & set(q.b1) and misses & set(q.b2))
+        want = reference(hit_blocks, list(hashes))
+        lookup(req, hit_blocks, hashes, now)
+        assert (q.target_t1_size, list(q.b1), list(q.b2)) == want
+
+    q.on_lookup = checked_lookup
+    rng = random.Random(7)
+    for step in range(600):
+        prompt = list(dict.fromkeys(rng.randrange(30) for _ in range(rng.randrange(1, 6))))
+        h.run(prompt, float(step))
+    assert both_lists[0] > 0  # the interleaved path ran too
+
+
 def test_arc_blocks_filed_out_of_stamp_order_still_leave_in_stamp_order():
     # The engines file a request's blocks right after ARC re-stamps them, in
     # stamp order; a driver that files them later or in another order must get
