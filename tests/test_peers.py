@@ -191,19 +191,18 @@ def test_arc_store_misses_move_the_target_as_the_key_by_key_loop_does():
     both_lists = [0]
 
     def reference(hit_blocks, hashes):
-        b1, b2 = dict(q.b1), dict(q.b2)
-        order1, order2 = list(q.b1), list(q.b2)
+        b1, b2 = list(q.b1), list(q.b2)  # a move keeps both lists' sizes
         t = q.target_t1_size
         for key in reversed(hashes[len(hit_blocks):]):
             if key in b1:
                 t = min(t + max(1.0, len(b2) / len(b1)), q.capacity)
-                order1.remove(key)
-                order1.append(key)
+                b1.remove(key)
+                b1.append(key)
             elif key in b2:
                 t = max(t - max(1.0, len(b1) / len(b2)), 0.0)
-                order2.remove(key)
-                order2.append(key)
-        return t, order1, order2
+                b2.remove(key)
+                b2.append(key)
+        return t, b1, b2
 
     def checked_lookup(req, hit_blocks, hashes, now):
         assert not (set(q.b1) | set(q.b2)) & set(q.resident.primary)
