@@ -252,6 +252,31 @@ def test_agentic_sub_agents_run_from_their_start_as_conversations_of_their_own(t
     assert sorted(r.arrival for r in cut.requests) == [0.0, 10.0, 100.0, 104.0, 250.0]
 
 
+def test_agentic_archive_out_of_name_order_loads_as_its_directory(tmp_path):
+    """Conversations are numbered (namespaces, offsets) in name order, whatever
+    order the archive stores them in."""
+    import tarfile
+
+    d = tmp_path / "convs"
+    d.mkdir()
+    names = [f"trace_{i:04d}.json" for i in (3, 1, 4, 0, 2)]  # stored in this order
+    for i, name in enumerate(names):
+        ids = [10 * i + 1, 10 * i + 2]
+        (d / name).write_text(json.dumps({"block_size": 64, "requests": [
+            {"t": 5.0 * i, "type": "n", "in": 128, "out": 5, "hash_ids": ids, "input_types": ["text"]}]}))
+    archive = tmp_path / "convs.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        for name in names:
+            tar.add(d / name, arcname=f"convs/{name}")
+    opts = AgenticOptions(window=100.0, seed=3)
+    from_dir = load_trace(str(d), "agentic", agentic=opts)
+    from_tar = load_trace(str(archive), "agentic", agentic=opts)
+    assert [r.request_id for r in from_tar.requests] == [r.request_id for r in from_dir.requests]
+    assert [(r.arrival, r.hash_ids, r.conversation) for r in from_tar.requests] == [
+        (r.arrival, r.hash_ids, r.conversation) for r in from_dir.requests
+    ]
+
+
 def test_agentic_malformed_conversation(tmp_path):
     d = tmp_path / "convs"
     d.mkdir()

@@ -324,17 +324,22 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
         return
     if tarfile.is_tarfile(path):
         try:
+            # Read in the archive's order, then sort: extracting members in name
+            # order seeks backwards through a compressed stream whenever the two
+            # orders differ, and each such seek decompresses from the start (71 s
+            # instead of 20 s for the agentic development split).
+            found: list[tuple[str, bytes]] = []
             with tarfile.open(path, "r:*") as tar:
-                members = sorted(
-                    (m for m in tar.getmembers() if m.isfile() and m.name.endswith(".json")),
-                    key=lambda m: m.name,
-                )
-                for m in members:
-                    f = tar.extractfile(m)
-                    if f is not None:
-                        yield f"{path}:{m.name}", f.read()
+                for m in tar:
+                    if m.isfile() and m.name.endswith(".json"):
+                        f = tar.extractfile(m)
+                        if f is not None:
+                            found.append((m.name, f.read()))
         except (tarfile.TarError, OSError, EOFError, lzma.LZMAError) as e:
             raise TraceFormatError(path, f"cannot read archive: {e}") from e
+        found.sort(key=lambda x: x[0])
+        for name, raw in found:
+            yield f"{path}:{name}", raw
         return
     with open(path, "rb") as f:
         yield path, f.read()
