@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import tarfile
 from array import array
 from dataclasses import replace
 
@@ -255,8 +256,6 @@ def test_agentic_sub_agents_run_from_their_start_as_conversations_of_their_own(t
 def test_agentic_archive_out_of_name_order_loads_as_its_directory(tmp_path):
     """Conversations are numbered (namespaces, offsets) in name order, whatever
     order the archive stores them in."""
-    import tarfile
-
     d = tmp_path / "convs"
     d.mkdir()
     names = [f"trace_{i:04d}.json" for i in (3, 1, 4, 0, 2)]  # stored in this order
