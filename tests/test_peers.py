@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from array import array
 
 import pytest
@@ -135,8 +136,6 @@ def test_arc_beats_lru_on_a_scan_pattern():
 def test_arc_evicts_each_list_in_stamp_order():
     """Each list's victims are its least recently stamped free blocks (through
     re-filed reused blocks, concurrent requests and a compaction)."""
-    import random
-
     pol = peer("arc")
     h = Harness(pol, 24)
     q = pol.queue
@@ -182,8 +181,6 @@ def test_arc_store_misses_move_the_target_as_the_key_by_key_loop_does():
     list) equal vLLM's per-key loop over the prompt's store misses, last key
     first, on random traffic whose keys come back through both ghost lists;
     and no ghost key is ever resident, which the batching relies on."""
-    import random
-
     pol = peer("arc")
     h = Harness(pol, 12)
     q = pol.queue
