@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from vllm_wa.replay.engines import FastEngine
+from vllm_wa.replay.engines import FastEngine, make_engine
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.peers.session import GhostScores
 from vllm_wa.replay.peers.ttl_tool import best_ttl, exponential_ttl
@@ -596,6 +596,34 @@ def served_result(path, n_conv=6, turns=5, bs=16):
             i += 1
     res.write(str(path))
     return load_trace(str(path))
+
+
+def test_served_engine_holds_the_replys_kv_and_keys_its_full_blocks(tmp_path):
+    """A served request holds its reply's slots too (every generated token but the last);
+    a peer is told its full blocks: the prompt's by hash id, the rest by keys of the request."""
+    trace = served_result(tmp_path / "served.json", n_conv=1, turns=1)
+    [req] = trace.requests
+    assert (req.input_tokens, req.output_tokens) == (27, 40)  # 1 full prompt block of 16 + 11 tokens
+    setup = prepare(trace, ["arc"], replay_config(ReplayConfig(engine="vllm")))
+    policy = make_policy("arc", setup)
+    engine = make_engine("vllm", setup.trace, policy, 30, SettableClock(req.arrival))
+    told = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(policy.request_hooks, name)
+
+        def on_admitted(self, info, blocks, n_hit, now):
+            told.append((list(info.hashes), list(blocks)))
+            policy.request_hooks.on_admitted(info, blocks, n_hit, now)
+
+    engine.hooks = Spy()
+    assert engine.admit(0, req) == 0
+    held = engine.manager.coordinator.get_blocks(req.request_id)[0]
+    assert len(held) == -(-(27 + 39) // 16)  # 66 tokens of KV: 5 blocks, the last partly filled
+    [(keys, blocks)] = told
+    assert keys == [req.hash_ids[0], (req.request_id, 1), (req.request_id, 2), (req.request_id, 3)]
+    assert blocks == held[:4] and all(b.block_hash is not None for b in blocks)
 
 
 def test_peers_on_a_served_trace_index_only_the_blocks_vllm_caches(tmp_path):

@@ -27,14 +27,17 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
+
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.trace import Trace, TraceRequest
+from vllm_wa.replay.vllm_engine import VLLMEngine
 from vllm_wa.sim.clock import SettableClock
-from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 from vllm_wa.sim.token_ids import FIRST_TOKEN, prompt_token_ids
 
 FORMAT = "vllm-wa-bench-serve"  # what vllm_wa.bench.results writes
@@ -131,98 +134,43 @@ def replay_config(cfg: Any) -> Any:
     return replace(cfg, profile_fraction=0.0, lifetime=LifetimeModel(min_service_s=0.0))
 
 
-class ServedEngine:
+class ServedEngine(VLLMEngine):
     """``--engine vllm`` for served traces: the server's tokens, block size and reply slots."""
 
+    finished_status = RequestStatus.FINISHED_LENGTH_CAPPED
+
     def __init__(self, trace: Trace, policy: ReplayPolicy, num_blocks: int, clock: SettableClock) -> None:
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        super().__init__(trace, policy, num_blocks, clock, tokens_per_block=trace.block_size)
 
-        init_none_hash(sha256)
-        self.bs = trace.block_size
-        self.policy = policy
-        self.clock = clock
-        self._hasher = get_request_block_hasher(self.bs, sha256)
-        max_len = max(r.input_tokens + r.output_tokens for r in trace.requests) + 1
-        self.manager = model_free_kv_cache_manager(num_blocks, self.bs, max_len)
-        policy.install_vllm(self.manager.block_pool, clock)
-        self.hooks = policy.request_hooks  # a peer's (the WA tagger is wrapped into the manager)
-        self._live: dict[str, Any] = {}
+    def _max_len(self, trace: Trace) -> int:
+        return max(r.input_tokens + r.output_tokens for r in trace.requests) + 1
 
-    def _request(self, req: TraceRequest) -> Any:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
+    def _prompt(self, req: TraceRequest) -> tuple[list[int], int]:
+        return prompt_token_ids(req.hash_ids, self.block_size, req.input_tokens), max(1, req.output_tokens)
 
-        sp = SamplingParams(max_tokens=max(1, req.output_tokens), extra_args={"type_info": req.tag})
-        sp.update_from_generation_config({}, eos_token_id=None)
-        return Request(
-            request_id=req.request_id,
-            prompt_token_ids=prompt_token_ids(req.hash_ids, self.bs, req.input_tokens),
-            sampling_params=sp,
-            pooling_params=None,
-            block_hasher=self._hasher,
-        )
+    def _looked_up(self, req: TraceRequest) -> Sequence[Any]:
+        return req.hash_ids[: req.input_tokens // self.block_size]  # full blocks only
 
-    def _cached_with_keys(self, req: TraceRequest) -> tuple[list[Any], list[Any]]:
-        """The request's cached (full) blocks and a peer's key for each.
+    def _generate(self, vreq: Request, req: TraceRequest) -> None:
+        # The reply's KV: every generated token but the last was fed back.
+        n_kv = req.output_tokens - 1
+        if n_kv > 0:
+            vreq.append_output_token_ids([FIRST_TOKEN] * n_kv)
+            if self.manager.allocate_slots(vreq, n_kv) is not None:
+                vreq.num_computed_tokens += n_kv
+
+    def _admitted(self, req: TraceRequest, info: Any) -> tuple[Any, list[Any]]:
+        """The request's cached (full) blocks, a peer's key for each.
 
         A partly filled last block is left out: the pool hands it out again
-        without an eviction, so a peer must never index it.
+        without an eviction, so a peer must never index it. Full blocks past
+        the prompt's (its tail filled up by the reply, the reply's own) get
+        keys of their own request, which no later prompt can hit.
         """
         held = self.manager.coordinator.get_blocks(req.request_id)[0]
         n = len(held)
         while n and held[n - 1].block_hash is None:
             n -= 1
-        full = req.input_tokens // self.bs
+        full = req.input_tokens // self.block_size
         keys = [*req.hash_ids[: min(full, n)], *((req.request_id, j) for j in range(full, n))]
-        return held[:n], keys
-
-    def admit(self, index: int, req: TraceRequest) -> int:
-        m = self.manager
-        oracle, hooks, now = self.policy.oracle, self.hooks, self.clock.t
-        vreq = self._request(req)
-        blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
-        n_hit = n_hit_tokens // self.bs
-        if oracle is not None:
-            oracle.on_arrival(index, req.hash_ids, n_hit)
-        info = None
-        if hooks is not None:
-            info = self.policy.request_info(req)
-            full = req.hash_ids[: req.input_tokens // self.bs]
-            hooks.on_lookup(info, blocks.blocks[0] if blocks.blocks else [], full, now)
-        new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
-        if new is None:
-            m.free(vreq)
-            if oracle is not None:
-                oracle.on_arrival(index, req.hash_ids, 0, n_hit)
-            if hooks is not None:
-                hooks.forget(req.request_id, now)
-            return -1
-        vreq.num_computed_tokens = vreq.num_tokens
-        if oracle is not None:
-            oracle.on_admitted(index, m.coordinator.get_blocks(req.request_id)[0], req.hash_ids, n_hit)
-        # The reply's KV: every generated token but the last was fed back.
-        n_kv = req.output_tokens - 1
-        if n_kv > 0:
-            vreq.append_output_token_ids([FIRST_TOKEN] * n_kv)
-            if m.allocate_slots(vreq, n_kv) is not None:
-                vreq.num_computed_tokens += n_kv
-        if hooks is not None:
-            cached, keys = self._cached_with_keys(req)
-            hooks.on_admitted(replace(info, hashes=keys), cached, n_hit, now)
-        self._live[req.request_id] = vreq
-        return n_hit
-
-    def release(self, req: TraceRequest) -> None:
-        from vllm.v1.request import RequestStatus
-
-        vreq = self._live.pop(req.request_id)
-        tagger = self.policy.tagger
-        if tagger is not None and req.outcome is not None:
-            # The server's engine learned the outcome (hint) before the request finished.
-            tagger.reclassify(req.request_id, req.outcome)
-        if self.hooks is not None:
-            blocks = self.manager.coordinator.get_blocks(req.request_id)[0]
-            self.hooks.on_free(self.policy.request_info(req, finished=True), blocks, self.clock.t)
-        vreq.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        self.manager.free(vreq)
+        return replace(info, hashes=keys), held[:n]
