@@ -52,7 +52,7 @@ def event_stream(rate: float, seconds: float, seed: int = 0):
         hashes = tuple((j, (conv, turn - 1 if j < 6 else turn, j)) for j in range(8))
         rid = f"r{n}"
         n += 1
-        yield t, LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ())
+        yield t, LookupEvent(EventKind.LOOKUP, t, rid, tag, tuple(h for _, h in hashes), ())
         req = RequestTags(rid, tag, "tool" if tag == "tool" else "stop", 100,
                           TurnTiming(conv, 0, turn + 1, 10.0 if turn else None, 0.1 if turn else None))
         for j, h in hashes:
@@ -85,7 +85,7 @@ def bench_cpu(rate: float, seconds: float, cache_blocks: int | None = None) -> d
         keep = sink.is_sampled
         for t, ev in stream:
             if isinstance(ev, LookupEvent):
-                yield t, ev._replace(hashes=tuple(ph for ph in ev.hashes if keep(ph[1])))
+                yield t, ev._replace(hashes=tuple(h for h in ev.hashes if keep(h)))
             elif isinstance(ev, FinishedEvent) or keep(ev.block_hash):
                 yield t, ev
 

@@ -36,7 +36,7 @@ def feed(sink: EventSink, t: float) -> float:
             tag = "tool" if c % 2 else "human"
             rid = f"{tag}-{c}-{r}"
             hashes = tuple((j, (c, j)) for j in range(4 + r))
-            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ()))
+            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, tuple(h for _, h in hashes), ()))
             t += 0.1
             req = RequestTags(rid, tag, "stop")
             for j, h in hashes:
@@ -171,7 +171,7 @@ def test_any_json_content_is_parsed_or_refused_with_checkpoint_error(classes, ac
         assert len(comps) == 8
 
 
-def test_engine_starts_with_a_crafted_checkpoint(saved, tmp_path, monkeypatch):
+def test_engine_starts_with_a_crafted_checkpoint(saved, tmp_path, monkeypatch, caplog):
     """The engine core's set-up (not just the controller) survives any checkpoint."""
     from conftest import make_manager
 
@@ -184,10 +184,13 @@ def test_engine_starts_with_a_crafted_checkpoint(saved, tmp_path, monkeypatch):
     cfg.write_text(f'[controller]\ncheckpoint_path = "{path}"\n')
     monkeypatch.setattr(ServingSettings, "from_env", classmethod(lambda cls: ServingSettings(online=True, config_path=str(cfg))))
     sched = SimpleNamespace(kv_cache_manager=make_manager(20))
-    engine_side._attach(sched)
+    with caplog.at_level(logging.WARNING, logger="vllm_wa"):
+        engine_side._attach(sched)
     ewa = sched._vllm_wa_engine
     try:
+        # Read, refused with a warning that names it, and the prior used.
         assert ewa.controller.params.source == "prior"
+        assert any("ignoring checkpoint" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
     finally:
         ewa.stop()
 

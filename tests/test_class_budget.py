@@ -10,6 +10,7 @@ from conftest import finish, make_manager, make_request, run_prefill
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.controller.features import FeatureKey
+from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -56,15 +57,25 @@ def test_over_cap_counts_each_request_once(clock):
 
 
 def test_preempted_request_is_counted_once(clock):
+    """A preempted request resumes as itself: its tag, hit accounting, reuse
+    counts and lookup event are counted once, though it hits its own blocks."""
     m = make_manager(40)
-    h = install_wa_queue(m.block_pool, clock=clock)
+    sink = EventSink()
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
     r = make_request("p", tokens(0, 2), tag="bad tag")
     run_prefill(m, r)
     m.free(r)  # preempted: released without finishing
     r.num_computed_tokens = 0
-    run_prefill(m, r)
+    clock.advance(1.0)
+    assert run_prefill(m, r) == 2 * BS  # its own two full blocks, still cached
     finish(m, r)
-    assert h.tagger.tag_counters.invalid == 1
+    tagger = h.tagger
+    assert tagger.tag_counters.invalid == 1
+    lookups = [e for e in sink.drain() if e.kind == EventKind.LOOKUP]
+    assert [(e.request_id, e.time) for e in lookups] == [("p", 0.0)]
+    tid = tagger.tags.find("invalid")
+    assert (tagger.hit_blocks_by_tag[tid], tagger.queried_blocks_by_tag[tid]) == (0, 2)
+    assert max(tagger.reuse_count) == 0 and sum(h.queue.counters.reused) == 0
 
 
 # ---- defect 5: the budget ----------------------------------------------------------------------

@@ -79,7 +79,7 @@ def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, gh
             resident.discard(i)
             evicted_before_reuse += 1
         else:
-            tracker.looked_up([(0, i)], when)
+            tracker.looked_up([i], when)
             if i in resident:
                 naive.add_event(when - free_at[i])
                 resident.discard(i)
@@ -244,7 +244,7 @@ def feed(sink: EventSink, t0: float, n_conv: int = 6, rounds: int = 8, gap_tool:
             tag = "tool" if c % 2 else "human"
             rid = f"{tag}-{c}-{r}"
             hashes = tuple((j, (c, j)) for j in range(4 + r))
-            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ()))
+            sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, tuple(h for _, h in hashes), ()))
             t += 0.1
             req = RequestTags(rid, tag, "tool" if tag == "tool" else "stop")
             for j, h in hashes:
@@ -322,7 +322,9 @@ def test_chunked_em_returns_exactly_the_step_by_step_fit():
             seen_offsets.add(want_steps % _EM_CHUNK)
         model, w = fit_hyperexponential(data, iters=iters, tol=tol, init=start)
         assert np.array_equal(w, np.maximum(want_w, 1e-12)), (iters, tol)
-        assert model is not None and model.weights[0] == pytest.approx(want_w[0]) or want_w[0] <= 1e-6
+        # The model keeps the components above 1e-6, scaled down if they sum past one.
+        kept = want_w[:-1][want_w[:-1] > 1e-6]
+        assert model is not None and np.allclose(model.weights, kept / max(1.0, kept.sum())), (iters, tol)
     assert len(seen_offsets) > 2  # converged at several places within a chunk, the budget ran out too
 
 
@@ -485,6 +487,7 @@ def test_default_config_file_matches_defaults():
         ({"tuner": {"short_window_s": 45.0}}, "tuner_short_window_s"),  # under two batches
         ({"tuner": {"short_window_confidence": 1.0}}, "tuner_short_window_confidence"),
         ({"tuner": {"candidates": [{"features": ["color"]}], "initial": "lru"}}, "candidates[0].features"),
+        ({"tuner": {"candidates": [{"features": ["tag", "tag"]}], "initial": "lru"}}, "candidates[0].features"),
         ({"tuner": {"candidates": [{"family": "weibull"}], "initial": "lru"}}, "candidates[0].family"),
         ({"tuner": {"candidates": [{"horizon": 0}], "initial": "lru"}}, "candidates[0].horizon"),
         ({"tuner": {"candidates": [{"speed": 1}], "initial": "lru"}}, "candidates[0].speed"),
@@ -695,7 +698,7 @@ def feed_law(sink: EventSink, t0: float, gap_of, rounds: int = 40, n_conv: int =
         tag = "tool" if c % 2 else "human"
         rid = f"{tag}-{c}-{r}"
         hashes = tuple((j, (c, j)) for j in range(4 + r))
-        sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, hashes, ()))
+        sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, tag, tuple(h for _, h in hashes), ()))
         req = RequestTags(rid, tag, "tool" if tag == "tool" else "stop")
         for j, h in hashes:
             sink.emit(FreedEvent(EventKind.FREED, t + 0.1, h, req, j, r))

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 
 def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(monkeypatch):
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
     from vllm_wa.serving import api_side, outcome_hints
 
     sent = []
@@ -19,23 +21,29 @@ def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(m
         sent.append(("request", request.request_id))
         return "reply"
 
+    # The serving object's own request-id rule (vLLM's BaseServing._base_request_id).
+    serving = SimpleNamespace(_base_request_id=BaseServing._base_request_id)
     wrapped = outcome_hints._wrap(orig, outcome_hints.completion_keys)
     ok = SimpleNamespace(request_id="abc", prompt=[1, 2, 3], vllm_xargs={"type_info": "t", "wa_outcome": "tool"})
     monkeypatch.setattr(api_side, "_REPORTER", Reporter())
-    assert asyncio.run(wrapped(None, ok, None)) == "reply"
+    assert asyncio.run(wrapped(serving, ok, None)) == "reply"
     assert sent == [("report", [["cmpl-abc-0", "tool"]]), ("request", "abc")]
+    sent.clear()
     headers = SimpleNamespace(headers={"X-Request-Id": "hdr"})
-    assert outcome_hints.completion_keys(ok, headers) == ["cmpl-hdr-0"]
-    assert outcome_hints.chat_keys(ok, None) == ["chatcmpl-abc"]
+    asyncio.run(wrapped(serving, ok, headers))  # the header wins, as in vLLM
+    assert sent == [("report", [["cmpl-hdr-0", "tool"]]), ("request", "abc")]
+    assert outcome_hints.chat_keys("abc", ok) == ["chatcmpl-abc"]
+    batch = SimpleNamespace(request_id="two", prompt=[[1], [2]], vllm_xargs={"wa_outcome": "stop"})
+    assert outcome_hints.completion_keys("two", batch) == ["cmpl-two-0", "cmpl-two-1"]
     sent.clear()
     before = outcome_hints.COUNTERS.ignored
     bad = SimpleNamespace(request_id="b", prompt=[1], vllm_xargs={"wa_outcome": "abort"})
-    asyncio.run(wrapped(None, bad, None))
+    asyncio.run(wrapped(serving, bad, None))
     assert sent == [("request", "b")] and outcome_hints.COUNTERS.ignored == before + 1
     # Without --wa-online nothing reports: the hint is just ignored.
     monkeypatch.setattr(api_side, "_REPORTER", None)
     sent.clear()
-    asyncio.run(wrapped(None, ok, None))
+    asyncio.run(wrapped(serving, ok, None))
     assert sent == [("request", "abc")]
 
 
@@ -79,3 +87,12 @@ def test_reported_outcomes_refine_stop_and_length_but_never_abort(clock):
     assert h.tagger.reclassify("abo", "stop") == 0  # after the free, too
     assert h.queue.free_blocks_by_class() == {"t.tool": 2, "t.abort": 2}
     assert h.tagger.reclassified_requests == 1
+    # The same fact again (a hint, then the API server's own report) moves and counts nothing.
+    assert h.tagger.reclassify("len", "tool") == 0
+    assert h.tagger.reclassified_requests == 1
+    # A hint equal to the engine's own outcome changes no request either.
+    r = make_request("same", toks(3000), tag="t")
+    run_prefill(m, r)
+    h.tagger.reclassify("same", "length")
+    finish(m, r, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert h.queue.free_blocks_by_class()["t.length"] == 2 and h.tagger.reclassified_requests == 1

@@ -98,6 +98,13 @@ def test_load_names_the_file(tmp_path):
         WAParams.load(str(p))
     with pytest.raises(ParamsError, match="cannot read"):
         WAParams.load(str(tmp_path / "missing.json"))
+    # Not UTF-8, or nested past the parser's recursion limit: a clear error, not a traceback.
+    p.write_bytes(b'{"a": {"\xff": 1}}')
+    with pytest.raises(ParamsError, match="cannot read"):
+        WAParams.load(str(p))
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ParamsError, match="nested too deeply"):
+        WAParams.load(str(p))
 
 
 def test_lru_params_are_uniform():
@@ -105,13 +112,6 @@ def test_lru_params_are_uniform():
     m = ReuseModel.exponential(0.5, 0.1)
     assert WAParams(models={"a": m, "b": m}, default=m).is_uniform
     assert not WAParams(models={"a": m}).is_uniform
-
-
-models = st.builds(
-    lambda ws, rs: ReuseModel(tuple(ws), tuple(rs)),
-    st.lists(st.floats(0.0, 0.33), min_size=1, max_size=3),
-    st.lists(st.floats(1e-3, 10.0), min_size=3, max_size=3),
-).filter(lambda m: True)
 
 
 @st.composite

@@ -366,6 +366,8 @@ class WAParams:
         if isinstance(data, str):
             try:
                 data = json.loads(data)
+            except RecursionError:
+                raise ParamsError("params JSON is nested too deeply") from None
             except json.JSONDecodeError as e:
                 raise ParamsError(f"params JSON does not parse: {e}") from e
         if not isinstance(data, Mapping):
@@ -420,7 +422,7 @@ class WAParams:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise ParamsError(f"cannot read params file {path}: {e}") from e
         try:
             return cls.from_pr_json(text, **overrides)

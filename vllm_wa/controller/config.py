@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES
+from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES, FeatureKey
 from vllm_wa.controller.learned_key import MAX_LEARNED_CLASSES
 from vllm_wa.controller.tuner import TunerSettings
 from vllm_wa.fileio import TOMLDecodeError, read_toml
@@ -166,6 +166,10 @@ class ControllerConfig:
             bad = [f for f in c.features if f not in FEATURES]
             if bad:
                 raise ConfigError(f"{where}.features has unknown features {bad}; expected some of {FEATURES}")
+            try:  # the key's own rules (distinct names), here rather than in the engine's set-up
+                FeatureKey(tuple(c.features))
+            except ValueError as e:
+                raise ConfigError(f"{where}.features: {e}") from None
             if c.family not in FAMILIES:
                 raise ConfigError(f"{where}.family must be one of {FAMILIES}, got {c.family!r}")
             if c.mode not in SCORE_MODES:

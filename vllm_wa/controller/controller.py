@@ -252,11 +252,11 @@ class WAController:
     def _shadow_hashes(self, ev: Any) -> list:
         """The hashes a lookup brings to the miniature caches (see ``shadow_sampling``)."""
         if self._chain:
-            return [h for _, h in ev.chain]
+            return list(ev.chain)
         thr = self._shadow_threshold
         if thr >= 1 << 64:
-            return [h for _, h in ev.hashes]
-        return self.sink.subsample([h for _, h in ev.hashes], thr)
+            return list(ev.hashes)
+        return self.sink.subsample(ev.hashes, thr)
 
     @property
     def active(self) -> str:

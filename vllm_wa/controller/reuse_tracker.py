@@ -60,7 +60,7 @@ class ReuseTracker:
             self._censor(k, t - t0)
 
     def looked_up(self, hashes: Any, t: float) -> None:
-        """A prompt with these (position, hash) pairs arrived at ``t``.
+        """A prompt with these (sampled) block hashes arrived at ``t``.
 
         Its reuses are reported once per class, as one batch of gaps with the
         lookup time: the blocks of a prompt were freed together and come back
@@ -68,7 +68,7 @@ class ReuseTracker:
         """
         watch, ghost = self.watch, self.ghost
         found: dict[int, list[float]] = {}
-        for _, h in hashes:
+        for h in hashes:
             entry = watch.pop(h, None)
             if entry is None:
                 entry = ghost.pop(h, None)

@@ -155,6 +155,8 @@ class BlockTagger:
         self._owner = [0] * n
         self._serial = 0
         self._looked_up: dict[str, _Lookup] = {}
+        # Lookups of preempted requests, restored when they are looked up again.
+        self._preempted: OrderedDict[str, _Lookup] = OrderedDict()
         self.conversations = conversations
         # Freed requests by the key late facts arrive under (see request_key);
         # several engine requests (n > 1) can share one key.
@@ -218,18 +220,26 @@ class BlockTagger:
         block_hashes: Sequence[Any],
         now: float | None = None,
         to_key: Callable[[Any], Any] | None = None,
+        extra_hits: Sequence[Sequence[KVCacheBlock]] = (),
     ) -> None:
         """A request's prompt was matched: ``hit_blocks`` is its cached prefix.
 
         ``block_hashes`` are the prompt's block hashes; ``to_key`` maps the
         ones reported in the event to the form blocks hold (vLLM adds the
-        KV-cache group id).
+        KV-cache group id); ``extra_hits``: the hit blocks of further KV-cache
+        groups (hybrid models), whose reuse counts move with the first's.
 
-        Counted once per request until it is freed (the scheduler may look a
-        waiting request up several times).
+        Counted once per request until it finishes: the scheduler may look a
+        waiting request up several times, and a preempted request resumes as
+        the request it was (its first lookup's time and turn, nothing counted
+        or reported again: its hits on its own blocks are no reuse).
         """
         rid = req.request_id
         if rid in self._looked_up:
+            return
+        resumed = self._preempted.pop(rid, None)
+        if resumed is not None:
+            self._looked_up[rid] = resumed
             return
         if now is None:
             now = self.queue.clock()
@@ -241,6 +251,8 @@ class BlockTagger:
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))
         self.count_reuse(hit_blocks, free_hits=True)
+        for group in extra_hits:
+            self.count_reuse(group)
         # Hit accounting is per workload tag (the outcome is not known yet).
         tag_id = self.tags.id_of(req.tag, now)
         self.hit_blocks_by_tag[tag_id] += len(hit_blocks)
@@ -248,28 +260,23 @@ class BlockTagger:
         sink = self.sink
         if sink is None:
             return
-        # The class the request would free into as of now, if it holds a slot
-        # (a lookup claims none: only released blocks take class slots).
-        cls = self.queue.registry.find(self.class_key(req, 0, 0))
-        if cls is None:
-            cls = -1
         if sink.lookup_hashes == "none":
             hashes: tuple = ()
         elif sink.lookup_hashes == "all":
-            hashes = tuple(enumerate(block_hashes))
+            hashes = tuple(block_hashes)
         else:
-            hashes = self._sampled_positions(hit_blocks, block_hashes)
+            hashes = self._sampled_hashes(hit_blocks, block_hashes)
         chain: tuple = ()
         if timing is not None and sink.chain_sampled(timing.conversation):
-            chain = tuple((i, block_hashes[i]) for i in range(timing.start, len(block_hashes)))
+            chain = tuple(block_hashes[timing.start :])
         if to_key is not None:
-            hashes = tuple((i, to_key(h)) for i, h in hashes)
-            chain = tuple((i, to_key(h)) for i, h in chain)
+            hashes = tuple(map(to_key, hashes))
+            chain = tuple(map(to_key, chain))
         sink.emit(LookupEvent(EventKind.LOOKUP, now, rid, req.tag, hashes, chain))
 
-    def _sampled_positions(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
-        """``(position, hash)`` of the sampled prompt blocks: the cached prefix
-        by its blocks' flags (set once per hash a block holds), the rest by hashing."""
+    def _sampled_hashes(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
+        """The sampled prompt blocks' hashes: the cached prefix by its blocks'
+        flags (set once per hash a block holds), the rest by hashing."""
         if block_hashes and type(block_hashes[0]) is int:
             # Trace ids: the whole prompt in one numpy pass (a hit block holds
             # its prompt position's id, so its flag would say the same).
@@ -284,7 +291,7 @@ class BlockTagger:
                 flagged[bid] = h
                 sampled[bid] = h is not None and is_sampled(h)
             if sampled[bid]:
-                out.append((i, block_hashes[i]))
+                out.append(block_hashes[i])
         out += self.sink.sampled_from(block_hashes, len(hit_blocks))
         return tuple(out)
 
@@ -317,17 +324,21 @@ class BlockTagger:
         """``blocks`` (in allocation order) are about to be released by ``req``.
 
         ``finished`` is False for a preempted request: it will be looked up
-        again and keeps its (counted) tag.
+        again and keeps its (counted) tag and its lookup.
         """
         rid = req.request_id
         look = self._looked_up.pop(rid, None)
         if finished:
             self._live_tags.pop(rid, None)
+        elif look is not None:
+            self._preempted[rid] = look
+            if len(self._preempted) > MAX_LIVE_REQUESTS:
+                self._preempted.popitem(last=False)
         if now is None:
             now = self.queue.clock()
         key = self.request_key(rid)
         pending = self._pending_outcome.pop(key, None) if finished else None
-        if pending is not None and req.outcome not in ENGINE_FINAL_OUTCOMES:
+        if pending is not None and pending != req.outcome and req.outcome not in ENGINE_FINAL_OUTCOMES:
             # A reported fact (the reply called a tool) beats the engine's own
             # stop or length (such replies end with a plain stop).
             req = replace(req, outcome=pending)
@@ -463,7 +474,12 @@ class BlockTagger:
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
             return 0
-        return sum(self._reclassify(rec, outcome) for rec in recs if rec.tags.outcome not in ENGINE_FINAL_OUTCOMES)
+        # A fact it already carries changes nothing (the same report twice, or the engine's own outcome).
+        return sum(
+            self._reclassify(rec, outcome)
+            for rec in recs
+            if rec.tags.outcome not in ENGINE_FINAL_OUTCOMES and rec.tags.outcome != outcome
+        )
 
     def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
         req = replace(rec.tags, outcome=outcome)
@@ -497,6 +513,7 @@ class BlockTagger:
         """A request left without holding blocks (it did not fit, or was aborted
         while waiting): drop its lookup and tell consumers it is finished."""
         self._live_tags.pop(request_id, None)
+        self._preempted.pop(request_id, None)
         if request_id not in self._looked_up:
             return
         del self._looked_up[request_id]

@@ -64,10 +64,11 @@ class EvictedEvent(NamedTuple):
 class LookupEvent(NamedTuple):
     """A request's prefix-cache lookup.
 
-    ``hashes``: ``(position, hash)`` of the hash-sampled prompt blocks (reuse
-    observations).  ``chain``: every block from the conversation's own start,
-    when the request's conversation is sampled for the miniature caches
-    (chain sampling), else empty.
+    ``hashes``: the hash-sampled prompt blocks' hashes, in prompt order (reuse
+    observations, and the miniature caches' prompt).  ``chain``: the hashes of
+    every block from the conversation's own start, when the request's
+    conversation is sampled for the miniature caches (chain sampling), else
+    empty.
     """
 
     kind: EventKind
@@ -183,19 +184,19 @@ class EventSink:
             return self._id_values[ids]
         return ids.astype(np.uint64) * _MIX_U64
 
-    def sampled_from(self, hashes: Sequence[Any], start: int) -> list[tuple[int, Any]]:
-        """``(position, hash)`` of the sampled ``hashes`` from ``start`` on.
+    def sampled_from(self, hashes: Sequence[Any], start: int) -> list[Any]:
+        """The sampled ``hashes`` from ``start`` on, in order.
 
         One pass without a call per hash: a prompt's uncached blocks are
         thousands on long agentic prompts, and this runs at every lookup.
         """
         if self._samples_all:
-            return [(i, hashes[i]) for i in range(start, len(hashes))]
+            return list(hashes[start:])
         values = self._trace_id_values(hashes, start)
         if values is not None:
-            return [(start + i, hashes[start + i]) for i in np.flatnonzero(values < self._threshold).tolist()]
+            return [hashes[start + i] for i in np.flatnonzero(values < self._threshold).tolist()]
         thr, value = self._threshold, self._value_of
-        return [(i, h) for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
+        return [h for i in range(start, len(hashes)) if value(h := hashes[i]) < thr]
 
     def subsample(self, hashes: Sequence[Any], threshold: int) -> list[Any]:
         """The ``hashes`` whose sample value is below ``threshold`` (< 2**64): a

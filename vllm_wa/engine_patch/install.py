@@ -93,8 +93,6 @@ class WAHandle:
 
         blocks = result[0].blocks
         hits = blocks[0] if blocks else []
-        for extra_group in blocks[1:]:
-            self.tagger.count_reuse(extra_group)
         block_size = manager.coordinator.single_type_managers[0].block_size
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, block_size)
         self.tagger.on_lookup(
@@ -102,6 +100,7 @@ class WAHandle:
             hits,
             hashes,
             to_key=lambda h: make_block_hash_with_group_id(h, 0),
+            extra_hits=blocks[1:],
         )
 
     def on_free(self, manager: Any, request: Any) -> None:

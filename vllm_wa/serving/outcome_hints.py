@@ -25,6 +25,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_wa.engine_patch.compat import UnsupportedVLLMError
+from vllm_wa.serving import api_side
+
 logger = logging.getLogger(__name__)
 HINT_KEY = "wa_outcome"
 HINT_OUTCOMES = ("tool", "stop", "length")
@@ -56,41 +59,31 @@ def hint_of(request: Any) -> str | None:
     return None
 
 
-def _base_id(request: Any, raw_request: Any) -> str | None:
-    # vLLM's rule (OpenAIServing._base_request_id): the X-Request-Id header, else the body's request_id.
-    headers = getattr(raw_request, "headers", None)
-    if headers is not None and headers.get("X-Request-Id") is not None:
-        return headers.get("X-Request-Id")
-    rid = getattr(request, "request_id", None)
-    return rid if isinstance(rid, str) else None
-
-
-def completion_keys(request: Any, raw_request: Any) -> list[str]:
+def completion_keys(base: str, request: Any) -> list[str]:
     """The ids the engine's tagger files a completion's late facts under (``cmpl-<id>-<i>``)."""
-    base = _base_id(request, raw_request)
-    if base is None:
-        return []
     prompt = getattr(request, "prompt", None)
     n = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
     return [f"cmpl-{base}-{i}" for i in range(n)]
 
 
-def chat_keys(request: Any, raw_request: Any) -> list[str]:
+def chat_keys(base: str, request: Any) -> list[str]:
     """The id the engine's tagger files a chat completion's late facts under (``chatcmpl-<id>``)."""
-    base = _base_id(request, raw_request)
-    return [] if base is None else [f"chatcmpl-{base}"]
+    return [f"chatcmpl-{base}"]
 
 
 def _wrap(orig: Any, keys_of: Any) -> Any:
     @functools.wraps(orig)
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm_wa.serving import api_side
-
         reporter = api_side._REPORTER
         hint = hint_of(request) if reporter is not None else None
         if hint is not None:
             raw_request = args[0] if args else kwargs.get("raw_request")
-            keys = keys_of(request, raw_request)
+            # The base id the wrapped method will use (vLLM's own rule: the
+            # X-Request-Id header, else the body's request_id); "" when the
+            # body has none, whose id vLLM draws at random: nothing to report under.
+            rid = getattr(request, "request_id", None)
+            base = self._base_request_id(raw_request, rid if isinstance(rid, str) else "")
+            keys = keys_of(base, request) if base else []
             if keys:
                 try:
                     await reporter.report_now([[k, hint] for k in keys])
@@ -117,6 +110,9 @@ def install() -> None:
         (OpenAIServingCompletion, "create_completion", completion_keys),
         (OpenAIServingChat, "create_chat_completion", chat_keys),
     ):
+        if not callable(getattr(cls, "_base_request_id", None)):
+            # The wrapper keys a hint by the id the wrapped method will use.
+            raise UnsupportedVLLMError(f"vLLM's {cls.__name__} has no _base_request_id: outcome hints cannot be matched")
         current = getattr(cls, name)
         if getattr(current, _MARK, None) is None:
             setattr(cls, name, _wrap(current, keys))

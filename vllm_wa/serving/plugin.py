@@ -89,16 +89,20 @@ def _install_cli_options() -> None:
     from vllm.platforms import current_platform
 
     orig_pre = current_platform.pre_register_and_update
+    if getattr(orig_pre, _WRAPPED, None) is None:
 
-    def pre_register_and_update(parser: Any = None) -> Any:
-        out = orig_pre(parser)
-        if parser is not None:
-            add_cli_options(parser)
-        return out
+        @functools.wraps(orig_pre)
+        def pre_register_and_update(*args: Any, **kwargs: Any) -> Any:
+            out = orig_pre(*args, **kwargs)
+            parser = args[0] if args else kwargs.get("parser")
+            if parser is not None:
+                add_cli_options(parser)
+            return out
 
-    # vLLM calls this with the serve parser right after loading plugins,
-    # before parsing (the only point where a plugin sees the parser).
-    current_platform.pre_register_and_update = pre_register_and_update
+        # vLLM calls this with the serve parser right after loading plugins,
+        # before parsing (the only point where a plugin sees the parser).
+        setattr(pre_register_and_update, _WRAPPED, orig_pre)
+        current_platform.pre_register_and_update = pre_register_and_update
 
     if getattr(EngineArgs.from_cli_args, _WRAPPED, None) is None:
         orig_from = EngineArgs.from_cli_args.__func__
