@@ -206,8 +206,9 @@ def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
     pid0 = first["pid"]
     served = send_conversations(url)
     assert served >= 25
-    time.sleep(3)  # a few refits
-    st = wa_state(url)
+    # A few refits after the traffic: classes fitted and parameters swapped.
+    r0 = wa_state(url)["refits"]
+    st = wait_for_state(url, lambda s: s["refits"] >= r0 + 3 and s["swaps"] >= 1)
     # Learned per-class estimates, from both workloads.
     classes = st["classes"]
     assert any(name.startswith("agent_1") for name in classes), classes
@@ -233,8 +234,7 @@ def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
     # Requests kept being served while parameters were swapped.
     swaps_before = st["swaps"]
     assert send_conversations(url, n_rounds=2) > 0
-    time.sleep(2)
-    assert wa_state(url)["swaps"] > swaps_before
+    assert wait_for_state(url, lambda s: s["swaps"] > swaps_before)["swaps"] > swaps_before
     if TIMING_FILE:
         with open(TIMING_FILE, "a") as f:
             f.write(json.dumps({"server": "wa-online", "startup_s": wa_server.startup_s, "state": wa_state(url)}) + "\n")
@@ -252,7 +252,6 @@ def test_bad_tag_is_served_and_counted(wa_server):
         assert out.choices
     st = wait_for_state(wa_server.url, lambda s: s["tags_invalid"] >= before + 3)
     assert st["tags_invalid"] == before + 3  # once per request
-    assert "invalid" in " ".join(st["classes"]) or st["tags_invalid"] > 0
 
 
 def test_put_params_needs_key_valid_values_and_can_pin(wa_server):
@@ -274,14 +273,17 @@ def test_put_params_needs_key_valid_values_and_can_pin(wa_server):
     assert code in (400, 422)
     after = wa_state(wa_server.url)
     assert after["mode"] == "auto" == before["mode"]
-    assert after["params"]["a"] == before["params"]["a"] or after["params_source"].startswith(("online", "prior"))
+    # None of the refused bodies reached the queue: no pin, no class "x".
+    assert after["params_source"] != "pinned" and "x" not in after["params"].get("a", {})
     code, body = http("PUT", url, good, key=API_KEY)
     assert code == 200, body
     pinned = wa_state(wa_server.url)
     assert pinned["mode"] == "pinned"
     assert pinned["params"]["a"]["agent_1"] == pytest.approx(0.2)
-    time.sleep(1.5)  # refits keep the pin
-    assert wa_state(wa_server.url)["params"]["a"]["agent_1"] == pytest.approx(0.2)
+    # Refits keep the pin.
+    later = wait_for_state(wa_server.url, lambda s: s["refits"] >= pinned["refits"] + 2)
+    assert later["refits"] >= pinned["refits"] + 2
+    assert later["mode"] == "pinned" and later["params"]["a"]["agent_1"] == pytest.approx(0.2)
     code, body = http("PUT", url, {"mode": "auto"}, key=API_KEY)
     assert code == 200, body
     assert wa_state(wa_server.url)["mode"] == "auto"

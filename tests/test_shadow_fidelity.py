@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from array import array
@@ -74,6 +75,12 @@ def test_table_and_json(bench, result, tmp_path):
     for name in result["candidates"]:
         assert name in table
     assert "block MAE" in table and "chain Spearman" in table
+    # What --json writes reads back with every candidate and both schemes.
+    path = tmp_path / "fidelity.json"
+    path.write_text(json.dumps(bench._jsonable(result)))
+    back = json.loads(path.read_text())
+    assert back["candidates"] == list(result["candidates"])
+    assert back["sizes"][0]["schemes"].keys() == result["sizes"][0]["schemes"].keys() == {"block", "chain"}
 
 
 def scan_trace(seed: int = 0, conversations: int = 300, duration: float = 3600.0) -> Trace:
