@@ -17,6 +17,7 @@ from vllm_wa.controller.controller import start_online
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
+from vllm_wa.serving import metrics as metrics_mod
 from vllm_wa.serving.engine_side import EngineWA, external_request_id
 from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving import settings as settings_mod
@@ -79,6 +80,31 @@ def test_chat_wrapper_reports_and_passes_results_through(monkeypatch):
     assert reporter._pending == [["chatcmpl-5", "tool"]]
 
 
+def test_lost_outcome_reports_are_counted(monkeypatch):
+    """The API server's buffer when full, and a batch the engines refuse: counted, not silent."""
+    monkeypatch.setattr(api_side, "MAX_PENDING_REPORTS", 2)
+
+    class Refusing:
+        class engine_core:
+            @staticmethod
+            async def call_utility_all_async(method, *args):
+                raise RuntimeError("engine gone")
+
+    reporter = api_side.OutcomeReporter(engine_client=Refusing(), flush_interval=0.0)
+    for i in range(3):
+        reporter.report(f"chatcmpl-{i}", "tool")
+    assert reporter.dropped == 1 and len(reporter._pending) == 2
+
+    async def one_flush():
+        task = asyncio.ensure_future(reporter.run())
+        while reporter._pending:
+            await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(one_flush())
+    assert reporter.dropped == 3 and reporter.reported == 0
+
+
 def test_outcome_reports_reclassify_engine_blocks():
     from vllm_wa.controller.features import FeatureKey
 
@@ -110,6 +136,19 @@ def test_outcome_reports_reclassify_engine_blocks():
     assert metrics["tags"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
     assert set(metrics["classes"]) == {"agent.o:stop", "agent.o:tool"}  # a tag takes no class slot
     assert metrics["classes"]["agent.o:tool"]["freed"] == 3
+    # Reports past one call's limit, and pending reports past the tagger's memory, are
+    # dropped and counted (4,096 requests not freed yet may wait for their outcome).
+    n = engine_side.MAX_REPORTS_PER_CALL + 5
+    assert engine_side.wa_report_outcomes(core, [[f"later-{i}", "tool"] for i in range(n)]) == 0
+    dropped = engine_side.wa_get_metrics(core)["outcome_reports_dropped"]
+    assert dropped == 5 + (engine_side.MAX_REPORTS_PER_CALL - 4096)
+    rendered = {
+        f.name: f.samples[0].value
+        for f in metrics_mod.WACollector(lambda: [{"enabled": True, "metrics": engine_side.wa_get_metrics(core)}]).collect()
+        if f.samples
+    }
+    assert rendered["vllm_wa_outcome_reports_dropped"] == dropped
+    assert rendered["vllm_wa_outcomes_reclassified"] == 1 and rendered["vllm_wa_invalid_outcome_reports"] == 2
     json.dumps(state), json.dumps(metrics)  # plain data for the utility channel
 
 

@@ -169,6 +169,9 @@ class BlockTagger:
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
         self._remember = max(0, int(remember_finished))
         self.reclassified_requests = 0
+        # Outcomes reported for requests not freed yet, dropped unapplied when
+        # more than ``remember_finished`` waited at once.
+        self.pending_outcomes_dropped = 0
 
     # ---- tags ----------------------------------------------------------------------
 
@@ -473,6 +476,7 @@ class BlockTagger:
             self._pending_outcome[request_id] = outcome
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
+                self.pending_outcomes_dropped += 1
             return 0
         # A fact it already carries changes nothing (the same report twice, or the engine's own outcome).
         return sum(

@@ -25,6 +25,8 @@ from vllm_wa.serving.shared_metrics import SharedCopies
 from vllm_wa.serving.snapshots import EngineSnapshots
 
 logger = logging.getLogger(__name__)
+# Outcome facts waiting for the next batch, at most (more are counted as dropped).
+MAX_PENDING_REPORTS = 100_000
 _WRAPPED = "__vllm_wa_wrapped__"
 
 
@@ -51,10 +53,18 @@ class OutcomeReporter:
         self.flush_interval = flush_interval
         self._pending: list[list[str]] = []
         self.reported = 0
+        self.dropped = 0  # facts lost: the buffer was full, or the engines refused a batch
 
     def report(self, request_id: str, outcome: str) -> None:
-        if len(self._pending) < 100_000:
+        if len(self._pending) < MAX_PENDING_REPORTS:
             self._pending.append([request_id, outcome])
+        else:
+            self._drop(1, "the report buffer is full")
+
+    def _drop(self, n: int, why: str) -> None:
+        if not self.dropped:
+            logger.warning("vllm-wa: outcome reports lost (%s); counting further losses silently", why)
+        self.dropped += n
 
     async def report_now(self, items: list[list[str]]) -> None:
         """Send facts at once, not in the next batch: a benchmark outcome hint
@@ -74,7 +84,7 @@ class OutcomeReporter:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001
-                logger.debug("vllm-wa outcome report failed: %s", e)
+                self._drop(len(batch), f"the engines refused a batch: {e}")
 
 
 _REPORTER: OutcomeReporter | None = None

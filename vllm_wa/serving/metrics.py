@@ -40,6 +40,15 @@ ENGINE_COUNTERS = {
         "vllm_wa_releases_over_class_cap",
         "Block releases filed under 'other' because the eviction-class registry was full.",
     ),
+    "outcomes_reclassified": (
+        "vllm_wa_outcomes_reclassified",
+        "Requests whose blocks a reported reply outcome (a tool call, a hint) re-filed.",
+    ),
+    "invalid_outcome_reports": ("vllm_wa_invalid_outcome_reports", "Outcome reports refused as malformed."),
+    "outcome_reports_dropped": (
+        "vllm_wa_outcome_reports_dropped",
+        "Outcome reports not applied: past a call's limit, or waiting for a request when too many waited.",
+    ),
 }
 ENGINE_GAUGES = {
     "params_version": ("vllm_wa_params_version", "Version of the parameters the queue runs."),
