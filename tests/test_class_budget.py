@@ -10,6 +10,7 @@ from conftest import finish, make_manager, make_request, run_prefill
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.controller.features import FeatureKey
+from vllm_wa.engine_patch import block_tagger
 from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.workload_classes import ClassRegistry
@@ -161,3 +162,15 @@ def test_unused_classes_and_tags_are_retired_and_their_blocks_refiled(clock):
     big = make_request("big", tokens(90_000, 60), tag="real_1")
     run_prefill(m, big)
     h.queue.check_invariants()
+
+
+def test_lookups_without_a_release_are_bounded(clock, monkeypatch):
+    """A request whose release never reaches the tagger (a failed hook) cannot pile up:
+    past the live-request cap the oldest lookup goes."""
+    monkeypatch.setattr(block_tagger, "MAX_LIVE_REQUESTS", 3)
+    m = make_manager(40)
+    h = install_wa_queue(m.block_pool, clock=clock)
+    for i in range(5):
+        clock.advance(1.0)
+        m.get_computed_blocks(make_request(f"w{i}", tokens(100 * i, 1), tag="t"))
+    assert [h.tagger.started_at(f"w{i}") for i in range(5)] == [None, None, 3.0, 4.0, 5.0]

@@ -253,6 +253,11 @@ class BlockTagger:
             self._looked_up[rid] = _Lookup(now, timing, tuple(block_hashes[-2:]), len(block_hashes))
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))
+        if len(self._looked_up) > MAX_LIVE_REQUESTS:
+            # A request whose free never reached the tagger (a hook failed)
+            # would stay forever: the oldest lookup goes (its release, if it
+            # comes, is filed without one).
+            del self._looked_up[next(iter(self._looked_up))]
         self.count_reuse(hit_blocks, free_hits=True)
         for group in extra_hits:
             self.count_reuse(group)
