@@ -171,6 +171,26 @@ def test_any_json_content_is_parsed_or_refused_with_checkpoint_error(classes, ac
         assert len(comps) == 8
 
 
+@given(pos=st.integers(0, 7), value=_json, changed=st.booleans())
+def test_a_class_with_one_component_changed_is_parsed_or_refused(pos, value, changed):
+    """Near-valid classes: every unchanged one parses as saved; a changed one parses
+    into a hashable 8-component class or is refused with CheckpointError."""
+    comps = ["t", "stop", 0, 0, *FOLD]
+    if changed:
+        comps[pos] = value
+    data = {"version": 2, "active": None, "params": {"a": {}, "p": {}}, "classes": [_class_entry(comps)]}
+    try:
+        ckpt = parse_checkpoint(data, max_classes=1024)
+    except CheckpointError:
+        assert changed
+        return
+    [(parsed, _)] = ckpt.classes
+    hash(parsed)
+    assert len(parsed) == 8
+    if not changed:
+        assert list(parsed) == comps
+
+
 def test_engine_starts_with_a_crafted_checkpoint(saved, tmp_path, monkeypatch, caplog):
     """The engine core's set-up (not just the controller) survives any checkpoint."""
     from conftest import make_manager
