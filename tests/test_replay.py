@@ -404,7 +404,7 @@ def _event_record(e, source_ids=None) -> tuple:
         fields["block_hash"] = plain(fields["block_hash"])
     for k in ("hashes", "chain"):
         if k in fields:
-            fields[k] = tuple((i, plain(h)) for i, h in fields[k])
+            fields[k] = tuple(plain(h) for h in fields[k])
     return tuple(fields.items())
 
 
