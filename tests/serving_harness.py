@@ -120,7 +120,7 @@ def make_app(
     app.state.args = Namespace(api_key=[api_key] if api_key else None)
     app.state.engine_client = client
     max_classes = engines[0].handle.registry.max_classes
-    app.include_router(make_router(settings, snapshots, max_classes))
+    app.include_router(make_router(settings, snapshots, max_classes, api_side.api_state))
     return app, client, snapshots
 
 

@@ -72,8 +72,17 @@ def test_preempted_request_is_counted_once(clock):
     finish(m, r)
     tagger = h.tagger
     assert tagger.tag_counters.invalid == 1
-    lookups = [e for e in sink.drain() if e.kind == EventKind.LOOKUP]
+    events = sink.drain()
+    lookups = [e for e in events if e.kind == EventKind.LOOKUP]
     assert [(e.request_id, e.time) for e in lookups] == [("p", 0.0)]
+    # One FINISHED, at the real release, with the real outcome (the miniature caches
+    # hold the request until then).
+    assert [(e.request_id, e.time, e.request.outcome) for e in events if e.kind == EventKind.FINISHED] == [
+        ("p", 1.0, "stop")
+    ]
+    # A late outcome reaches the request once, not its preempted release as another.
+    tagger.reclassify("p", "tool")
+    assert tagger.reclassified_requests == 1
     tid = tagger.tags.find("invalid")
     assert (tagger.hit_blocks_by_tag[tid], tagger.queried_blocks_by_tag[tid]) == (0, 2)
     assert max(tagger.reuse_count) == 0 and sum(h.queue.counters.reused) == 0
@@ -174,3 +183,21 @@ def test_lookups_without_a_release_are_bounded(clock, monkeypatch):
         clock.advance(1.0)
         m.get_computed_blocks(make_request(f"w{i}", tokens(100 * i, 1), tag="t"))
     assert [h.tagger.started_at(f"w{i}") for i in range(5)] == [None, None, 3.0, 4.0, 5.0]
+
+
+def test_a_preempted_request_aborted_while_waiting_is_finished_for_consumers(clock):
+    m = make_manager(40)
+    sink = EventSink()
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    r = make_request("p", tokens(0, 2), tag="t")
+    run_prefill(m, r)
+    m.free(r)  # preempted
+    r.status = RequestStatus.FINISHED_ABORTED
+    m.free(r)  # aborted while waiting: holds nothing
+    requests = (EventKind.LOOKUP, EventKind.FINISHED)
+    assert [(e.kind, e.request_id) for e in sink.drain() if e.kind in requests] == [
+        (EventKind.LOOKUP, "p"), (EventKind.FINISHED, "p")
+    ]
+    m.get_computed_blocks(make_request("p", tokens(0, 2), tag="t"))  # the id comes back: a new request
+    assert [e.kind for e in sink.drain() if e.kind in requests] == [EventKind.LOOKUP]
+    assert h.tagger.started_at("p") == 0.0

@@ -52,6 +52,8 @@ def test_get_serves_the_cached_snapshot_without_engine_work_per_request(engine):
     assert client.calls["wa_get_snapshot"] == 1  # one fetch for 50 reads
     state = r.json()["engines"][0]
     assert state["enabled"] and state["mode"] == "auto" and "tags_invalid" in state
+    # The answering API server's own counters (no reporter runs here).
+    assert r.json()["api_server"] == {"outcome_reports_sent": 0, "outcome_reports_dropped": 0}
 
 
 def test_get_copy_is_at_most_max_age_old(engine):

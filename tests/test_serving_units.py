@@ -19,6 +19,7 @@ from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
 from vllm_wa.serving import metrics as metrics_mod
 from vllm_wa.serving.engine_side import EngineWA, external_request_id
+from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL
 from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving import settings as settings_mod
 from vllm_wa.serving.settings import ServingSettings
@@ -95,14 +96,45 @@ def test_lost_outcome_reports_are_counted(monkeypatch):
         reporter.report(f"chatcmpl-{i}", "tool")
     assert reporter.dropped == 1 and len(reporter._pending) == 2
 
-    async def one_flush():
+    async def until_handled():
         task = asyncio.ensure_future(reporter.run())
-        while reporter._pending:
+        for _ in range(1000):
+            if reporter.dropped == 3:
+                break
             await asyncio.sleep(0)
         task.cancel()
 
-    asyncio.run(one_flush())
+    asyncio.run(until_handled())
     assert reporter.dropped == 3 and reporter.reported == 0
+    monkeypatch.setattr(api_side, "_REPORTER", reporter)
+    assert api_side.api_state() == {"outcome_reports_sent": 0, "outcome_reports_dropped": 3}
+
+
+def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
+    """The API server never sends more in one call than an engine applies from one."""
+    monkeypatch.setattr(api_side, "MAX_OUTCOME_REPORTS_PER_CALL", 3)
+    calls = []
+
+    class Engines:
+        class engine_core:
+            @staticmethod
+            async def call_utility_all_async(method, items):
+                calls.append(len(items))
+
+    reporter = api_side.OutcomeReporter(engine_client=Engines(), flush_interval=0.0)
+    for i in range(7):
+        reporter.report(f"chatcmpl-{i}", "tool")
+
+    async def until_sent():
+        task = asyncio.ensure_future(reporter.run())
+        for _ in range(1000):
+            if reporter.reported == 7:
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(until_sent())
+    assert calls == [3, 3, 1] and reporter.dropped == 0
 
 
 def test_outcome_reports_reclassify_engine_blocks():
@@ -136,12 +168,13 @@ def test_outcome_reports_reclassify_engine_blocks():
     assert metrics["tags"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
     assert set(metrics["classes"]) == {"agent.o:stop", "agent.o:tool"}  # a tag takes no class slot
     assert metrics["classes"]["agent.o:tool"]["freed"] == 3
-    # Reports past one call's limit, and pending reports past the tagger's memory, are
-    # dropped and counted (4,096 requests not freed yet may wait for their outcome).
-    n = engine_side.MAX_REPORTS_PER_CALL + 5
+    # Reports past one call's limit are dropped and counted. (Reports for requests this
+    # engine does not hold wait, a bounded number, uncounted: with data parallelism every
+    # engine gets every report.)
+    n = MAX_OUTCOME_REPORTS_PER_CALL + 5
     assert engine_side.wa_report_outcomes(core, [[f"later-{i}", "tool"] for i in range(n)]) == 0
     dropped = engine_side.wa_get_metrics(core)["outcome_reports_dropped"]
-    assert dropped == 5 + (engine_side.MAX_REPORTS_PER_CALL - 4096)
+    assert dropped == 5
     rendered = {
         f.name: f.samples[0].value
         for f in metrics_mod.WACollector(lambda: [{"enabled": True, "metrics": engine_side.wa_get_metrics(core)}]).collect()

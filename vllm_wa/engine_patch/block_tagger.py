@@ -169,9 +169,6 @@ class BlockTagger:
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
         self._remember = max(0, int(remember_finished))
         self.reclassified_requests = 0
-        # Outcomes reported for requests not freed yet, dropped unapplied when
-        # more than ``remember_finished`` waited at once.
-        self.pending_outcomes_dropped = 0
 
     # ---- tags ----------------------------------------------------------------------
 
@@ -354,9 +351,13 @@ class BlockTagger:
         if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
         self.file_blocks(req, blocks, now, started=look.at if look is not None else None)
+        if not finished:
+            # Preempted: the request goes on. A late outcome waits for its real
+            # release, and consumers (the miniature caches) still hold it.
+            return
         if self._remember:
             self._remember_freed(key, req, blocks)
-        if look is not None and look.timing is not None and self.conversations is not None and finished:
+        if look is not None and look.timing is not None and self.conversations is not None:
             self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
@@ -481,7 +482,6 @@ class BlockTagger:
             self._pending_outcome[request_id] = outcome
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
-                self.pending_outcomes_dropped += 1
             return 0
         # A fact it already carries changes nothing (the same report twice, or the engine's own outcome).
         return sum(
@@ -522,10 +522,9 @@ class BlockTagger:
         """A request left without holding blocks (it did not fit, or was aborted
         while waiting): drop its lookup and tell consumers it is finished."""
         self._live_tags.pop(request_id, None)
-        self._preempted.pop(request_id, None)
-        if request_id not in self._looked_up:
+        preempted = self._preempted.pop(request_id, None)
+        if self._looked_up.pop(request_id, None) is None and preempted is None:
             return
-        del self._looked_up[request_id]
         sink = self.sink
         if sink is not None:
             t = self.queue.clock() if now is None else now

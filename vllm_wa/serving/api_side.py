@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm_wa.serving import metrics
 from vllm_wa.serving.params_api import make_router
-from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
 from vllm_wa.serving.shared_metrics import SharedCopies
 from vllm_wa.serving.snapshots import EngineSnapshots
 
@@ -77,7 +77,8 @@ class OutcomeReporter:
             await asyncio.sleep(self.flush_interval)
             if not self._pending:
                 continue
-            batch, self._pending = self._pending, []
+            batch = self._pending[:MAX_OUTCOME_REPORTS_PER_CALL]
+            del self._pending[:MAX_OUTCOME_REPORTS_PER_CALL]
             try:
                 await call_engines(self.engine_client, "wa_report_outcomes", batch)
                 self.reported += len(batch)
@@ -88,6 +89,15 @@ class OutcomeReporter:
 
 
 _REPORTER: OutcomeReporter | None = None
+
+
+def api_state() -> dict[str, Any]:
+    """This API server's own counters (``GET /wa/params`` shows them beside the engines')."""
+    reporter = _REPORTER
+    return {
+        "outcome_reports_sent": reporter.reported if reporter is not None else 0,
+        "outcome_reports_dropped": reporter.dropped if reporter is not None else 0,
+    }
 
 
 def _chat_outcomes(result: Any) -> tuple[str | None, bool]:
@@ -144,7 +154,7 @@ def _wrap_attach(orig: Any, settings: ServingSettings, snapshots: EngineSnapshot
     @functools.wraps(orig)
     def attach_endpoint_plugins(app: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(app, *args, **kwargs)
-        app.include_router(make_router(settings, snapshots, max_classes))
+        app.include_router(make_router(settings, snapshots, max_classes, api_state))
         return out
 
     setattr(attach_endpoint_plugins, _WRAPPED, orig)

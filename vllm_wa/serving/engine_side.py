@@ -27,12 +27,10 @@ from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
 from vllm_wa.params import WAParams
 from vllm_wa.serving import faults
 from vllm_wa.serving.pin_request import PinRequestError, parse_pin_request
-from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
 from vllm_wa.workload_classes import ClassRegistry
 
 logger = logging.getLogger(__name__)
-# Outcome reports applied from one call, at most (the rest are counted as dropped).
-MAX_REPORTS_PER_CALL = 10_000
 _WRAPPED = "__vllm_wa_wrapped__"
 _ATTR = "_vllm_wa_engine"
 _N_PREFIX = re.compile(r"^\d+_")
@@ -55,7 +53,7 @@ class EngineWA:
     engine_index: int
     block_size: int
     invalid_reports: int = 0
-    # Reports past a call's first MAX_REPORTS_PER_CALL, not applied.
+    # Reports past a call's first MAX_OUTCOME_REPORTS_PER_CALL, not applied.
     reports_over_limit: int = 0
     # When this engine core started and how many snapshots it has served:
     # together, how fresh a copy of its metrics is (see shared_metrics).
@@ -173,8 +171,8 @@ def wa_report_outcomes(self: Any, items: list[Any]) -> int:
     if ewa is None or not isinstance(items, list):
         return 0
     moved = 0
-    ewa.reports_over_limit += max(0, len(items) - MAX_REPORTS_PER_CALL)
-    for item in items[:MAX_REPORTS_PER_CALL]:
+    ewa.reports_over_limit += max(0, len(items) - MAX_OUTCOME_REPORTS_PER_CALL)
+    for item in items[:MAX_OUTCOME_REPORTS_PER_CALL]:
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[1] in OUTCOMES):
             ewa.invalid_reports += 1
             continue
@@ -244,7 +242,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
         "releases_over_class_cap": t.releases_over_class_cap,
         "outcomes_reclassified": t.reclassified_requests,
         "invalid_outcome_reports": ewa.invalid_reports,
-        "outcome_reports_dropped": ewa.reports_over_limit + t.pending_outcomes_dropped,
+        "outcome_reports_dropped": ewa.reports_over_limit,
         "num_classes": len(reg.used_ids()),
         "num_tags": len(t.tags.used_ids()),
     }

@@ -47,7 +47,7 @@ ENGINE_COUNTERS = {
     "invalid_outcome_reports": ("vllm_wa_invalid_outcome_reports", "Outcome reports refused as malformed."),
     "outcome_reports_dropped": (
         "vllm_wa_outcome_reports_dropped",
-        "Outcome reports not applied: past a call's limit, or waiting for a request when too many waited.",
+        "Outcome reports an engine received past one call's limit, not applied.",
     ),
 }
 ENGINE_GAUGES = {

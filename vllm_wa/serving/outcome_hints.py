@@ -79,8 +79,8 @@ def _wrap(orig: Any, keys_of: Any) -> Any:
         if hint is not None:
             raw_request = args[0] if args else kwargs.get("raw_request")
             # The base id the wrapped method will use (vLLM's own rule: the
-            # X-Request-Id header, else the body's request_id); "" when the
-            # body has none, whose id vLLM draws at random: nothing to report under.
+            # X-Request-Id header, else the body's request_id, which vLLM's
+            # request models always fill; "" for a body without one).
             rid = getattr(request, "request_id", None)
             base = self._base_request_id(raw_request, rid if isinstance(rid, str) else "")
             keys = keys_of(base, request) if base else []
@@ -106,13 +106,15 @@ def install() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    for cls, name, keys in (
+    targets = (
         (OpenAIServingCompletion, "create_completion", completion_keys),
         (OpenAIServingChat, "create_chat_completion", chat_keys),
-    ):
+    )
+    for cls, _, _ in targets:  # all checked before any is wrapped
         if not callable(getattr(cls, "_base_request_id", None)):
             # The wrapper keys a hint by the id the wrapped method will use.
             raise UnsupportedVLLMError(f"vLLM's {cls.__name__} has no _base_request_id: outcome hints cannot be matched")
+    for cls, name, keys in targets:
         current = getattr(cls, name)
         if getattr(current, _MARK, None) is None:
             setattr(cls, name, _wrap(current, keys))

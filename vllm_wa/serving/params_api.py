@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -89,8 +90,14 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
-def make_router(settings: ServingSettings, snapshots: EngineSnapshots, max_classes: int) -> APIRouter:
-    """The ``/wa/params`` routes; ``max_classes`` is the engines' class cap (a pin's limit)."""
+def make_router(
+    settings: ServingSettings,
+    snapshots: EngineSnapshots,
+    max_classes: int,
+    api_state: Callable[[], dict[str, Any]] | None = None,
+) -> APIRouter:
+    """The ``/wa/params`` routes; ``max_classes`` is the engines' class cap (a pin's limit);
+    ``api_state``: the answering API server's own counters, shown under ``api_server``."""
     router = APIRouter()
 
     @router.get("/wa/params")
@@ -101,7 +108,10 @@ def make_router(settings: ServingSettings, snapshots: EngineSnapshots, max_class
             engines = await snapshots.get()
         except Exception as e:  # noqa: BLE001 - the engines are unreachable: say so
             return _error(503, f"the engine cores did not answer: {type(e).__name__}")
-        return JSONResponse(json_safe({"engines": [e.get("state", e) for e in engines]}))
+        body: dict[str, Any] = {"engines": [e.get("state", e) for e in engines]}
+        if api_state is not None:
+            body["api_server"] = api_state()
+        return JSONResponse(json_safe(body))
 
     @router.put("/wa/params")
     async def put_params(raw_request: Request) -> JSONResponse:

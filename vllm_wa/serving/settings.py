@@ -24,6 +24,10 @@ ENV_METRICS_INTERVAL = "VLLM_WA_METRICS_INTERVAL"
 ENV_BENCH_OUTCOME_HINTS = "VLLM_WA_BENCH_OUTCOME_HINTS"
 ENV_PUBLIC_PARAMS = "VLLM_WA_PUBLIC_PARAMS"
 
+# Outcome reports one utility call carries from the API server to an engine
+# core (the engine applies no more from one call; the API server sends no more).
+MAX_OUTCOME_REPORTS_PER_CALL = 10_000
+
 
 @dataclass(frozen=True)
 class ServingSettings:
