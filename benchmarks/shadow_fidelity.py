@@ -344,6 +344,12 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def write_json(path: str, args: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """What ``--json`` writes: strict JSON (a NaN, such as an undefined rank correlation, as null)."""
+    with open(path, "w") as f:
+        json.dump(_jsonable({"args": args, "results": results}), f, indent=1, allow_nan=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", metavar="TRACE")
@@ -376,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(res), flush=True)
         print(flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_jsonable({"args": vars(args), "results": results}), f, indent=1)
+        write_json(args.json, vars(args), results)
     return 0
 
 

@@ -75,12 +75,13 @@ def test_table_and_json(bench, result, tmp_path):
     for name in result["candidates"]:
         assert name in table
     assert "block MAE" in table and "chain Spearman" in table
-    # What --json writes reads back with every candidate and both schemes.
+    # What --json writes is strict JSON and reads back with every candidate and both schemes.
     path = tmp_path / "fidelity.json"
-    path.write_text(json.dumps(bench._jsonable(result)))
-    back = json.loads(path.read_text())
-    assert back["candidates"] == list(result["candidates"])
-    assert back["sizes"][0]["schemes"].keys() == result["sizes"][0]["schemes"].keys() == {"block", "chain"}
+    bench.write_json(str(path), {"sizes": "10%"}, [result])
+    back = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    [res] = back["results"]
+    assert back["args"] == {"sizes": "10%"} and res["candidates"] == list(result["candidates"])
+    assert res["sizes"][0]["schemes"].keys() == result["sizes"][0]["schemes"].keys() == {"block", "chain"}
 
 
 def scan_trace(seed: int = 0, conversations: int = 300, duration: float = 3600.0) -> Trace:
