@@ -81,6 +81,20 @@ def test_chat_wrapper_reports_and_passes_results_through(monkeypatch):
     assert reporter._pending == [["chatcmpl-5", "tool"]]
 
 
+def run_reporter_until(reporter, done) -> None:
+    """Run the reporter's flush loop until ``done()`` holds (at most 1,000 turns of the event loop)."""
+
+    async def loop():
+        task = asyncio.ensure_future(reporter.run())
+        for _ in range(1000):
+            if done():
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(loop())
+
+
 def test_lost_outcome_reports_are_counted(monkeypatch):
     """The API server's buffer when full, and a batch the engines refuse: counted, not silent."""
     monkeypatch.setattr(api_side, "MAX_PENDING_REPORTS", 2)
@@ -96,15 +110,7 @@ def test_lost_outcome_reports_are_counted(monkeypatch):
         reporter.report(f"chatcmpl-{i}", "tool")
     assert reporter.dropped == 1 and len(reporter._pending) == 2
 
-    async def until_handled():
-        task = asyncio.ensure_future(reporter.run())
-        for _ in range(1000):
-            if reporter.dropped == 3:
-                break
-            await asyncio.sleep(0)
-        task.cancel()
-
-    asyncio.run(until_handled())
+    run_reporter_until(reporter, lambda: reporter.dropped == 3)
     assert reporter.dropped == 3 and reporter.reported == 0
     monkeypatch.setattr(api_side, "_REPORTER", reporter)
     assert api_side.api_state() == {"outcome_reports_sent": 0, "outcome_reports_dropped": 3}
@@ -125,15 +131,7 @@ def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
     for i in range(7):
         reporter.report(f"chatcmpl-{i}", "tool")
 
-    async def until_sent():
-        task = asyncio.ensure_future(reporter.run())
-        for _ in range(1000):
-            if reporter.reported == 7:
-                break
-            await asyncio.sleep(0)
-        task.cancel()
-
-    asyncio.run(until_sent())
+    run_reporter_until(reporter, lambda: reporter.reported == 7)
     assert calls == [3, 3, 1] and reporter.dropped == 0
 
 
