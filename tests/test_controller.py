@@ -8,6 +8,8 @@ import random
 
 import numpy as np
 import pytest
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import init_none_hash
 
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController
@@ -28,6 +30,7 @@ from vllm_wa.controller.survival import (
     separation_threshold,
 )
 from vllm_wa.engine_patch.block_tagger import RequestTags
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import (
     EventKind,
     EventSink,
@@ -35,7 +38,11 @@ from vllm_wa.engine_patch.events import (
     FreedEvent,
     LookupEvent,
 )
+from vllm_wa.engine_patch.install import install_wa_queue, uninstall_wa_queue
 from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.sim.clock import SettableClock
+
+from conftest import finish, make_manager, make_request, run_prefill
 
 # ---- estimation under censoring --------------------------------------------------------------
 
@@ -110,6 +117,20 @@ def test_small_ghost_table_still_corrects_for_censoring():
     p_hat, a_hat = fit_exponential(est.data)
     # Less information, larger error, but still the right ballpark.
     assert abs(p_hat - p) / p < 0.25 and abs(a_hat - a) / a < 0.35
+
+
+def test_tracker_refiles_only_the_free_it_was_told_of():
+    reused: list[tuple[int, list[float]]] = []
+    tr = ReuseTracker(4, 4, 100.0, lambda k, gaps, t: reused.append((k, gaps)), lambda k, e: None)
+    tr.freed("a", 1, 0.0)
+    tr.freed("b", 1, 0.0)
+    tr.evicted("b", 1.0)
+    assert tr.refile("a", 0.0, 2) and tr.refile("b", 0.0, 2)  # watched, and in the ghost table
+    tr.freed("c", 1, 0.0)
+    tr.freed("c", 1, 5.0)  # freed again by a later request: the late fact was about the first free
+    assert not tr.refile("c", 0.0, 2) and not tr.refile("gone", 0.0, 2)
+    tr.looked_up(["a", "b", "c"], 10.0)
+    assert sorted(reused) == [(1, [5.0]), (2, [10.0, 10.0])]
 
 
 def test_hyperexponential_recovers_a_heavy_tailed_survival():
@@ -581,7 +602,7 @@ def test_shadow_caches_release_requests_whose_finish_was_lost():
     assert sc.cache.pool.num_free_blocks == 19
 
 
-def test_shadow_cache_files_by_final_outcome_and_keeps_no_late_fact_records():
+def test_shadow_cache_files_by_final_outcome_and_refiles_a_late_one():
     from vllm_wa.controller.shadow import ShadowCache
 
     sc = ShadowCache(CandidateSpec(("tag", "outcome")), num_blocks=20, max_classes=8,
@@ -590,10 +611,54 @@ def test_shadow_cache_files_by_final_outcome_and_keeps_no_late_fact_records():
         sc.lookup(f"r{i}", "t", [("h", i, j) for j in range(3)], float(i))
         sc.finish(f"r{i}", RequestTags(f"r{i}", "t", outcome), float(i) + 0.5)
     assert sc.queue.free_blocks_by_class() == {"t.o:stop": 3, "t.o:tool": 6}
-    # It is told each final outcome at the release: no record for a late fact is kept.
-    assert len(sc.tagger._finished) == 0
-    assert sc.tagger.reclassify("r0", "stop") == 0
+    # The engine's OUTCOME event: the reply of r1 called a tool after all.
+    sc.reclassify(RequestTags("r1", "t", "tool"), 3.0)
+    assert sc.queue.free_blocks_by_class() == {"t.o:tool": 9}
+    # A request it never held leaves nothing waiting for a release that will not come.
+    sc.reclassify(RequestTags("r7", "t", "tool"), 3.0)
     assert len(sc.tagger._pending_outcome) == 0
+
+
+def test_a_late_outcome_moves_the_controllers_observations_and_miniature_caches():
+    """The API server reports a tool call after the engine released the blocks
+    (the usual order): what the controller learns and measures follows the
+    live queue's refile, not the outcome the release carried."""
+    init_none_hash(sha256)
+    clock = SettableClock()
+    manager = make_manager(40)
+    sink = EventSink(capacity=10_000)
+    key = FeatureKey(("tag", "outcome"))
+    handle = install_wa_queue(manager.block_pool, clock=clock, sink=sink, class_key=key,
+                              conversations=ConversationTracker())
+    try:
+        c = WAController(small_config(), 40, Applied(), sink, clock=lambda: clock.t)
+        prompt = list(range(16 * 3 + 1))
+        r1 = make_request("r1", prompt, tag="agent")
+        run_prefill(manager, r1)
+        clock.advance(1)
+        finish(manager, r1)
+        c.process(sink.drain())
+        held = [s for s in c._shadows if s.tagger is not None and "outcome" in s.key.features]
+        before = [s.queue.free_blocks_by_class() for s in held]
+        assert held and all(list(b.values()) == [3] and "o:stop" in next(iter(b)) for b in before)
+        clock.advance(0.5)
+        assert handle.tagger.reclassify("r1", "tool") == 3
+        assert handle.queue.free_blocks_by_class() == {"agent.o:tool": 3}
+        c.process(sink.drain())
+        assert [s.queue.free_blocks_by_class() for s in held] == [
+            {name.replace("o:stop", "o:tool"): n for name, n in b.items()} for b in before
+        ]
+        clock.advance(3)
+        r2 = make_request("r2", prompt + [7], tag="agent")
+        run_prefill(manager, r2)
+        c.process(sink.drain())
+        booked = {name: d.n_events for name, d in c._class_data(key, None).items()}
+        assert booked.get("agent.o:tool") == 3 and not booked.get("agent.o:stop")
+        # The same report again moves nothing and sends nothing.
+        assert handle.tagger.reclassify("r1", "tool") == 0
+        assert not [e for e in sink.drain() if e.kind == EventKind.OUTCOME]
+    finally:
+        uninstall_wa_queue(manager.block_pool)
 
 
 def test_estimator_is_river_style_validates_and_its_example_runs():

@@ -284,6 +284,13 @@ class WAController:
             elif kind == EventKind.FINISHED:
                 for s in shadows:
                     s.finish(ev.request_id, ev.request, ev.time)
+            elif kind == EventKind.OUTCOME:
+                # A late outcome: the watched blocks' observations and the
+                # miniature caches' copies move to the request's new class.
+                for pos, h, reuse in ev.blocks:
+                    tracker.refile(h, ev.freed_at, self._fine_id(self._finest(ev.request, pos, reuse)))
+                for s in shadows:
+                    s.reclassify(ev.request, ev.time)
         self.events_processed += len(events)
 
     # ---- the job ----------------------------------------------------------------------------

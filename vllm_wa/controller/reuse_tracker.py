@@ -50,6 +50,19 @@ class ReuseTracker:
             h, (k, t0) = self.watch.popitem(last=False)
             self._censor(k, t - t0)
 
+    def refile(self, block_hash: Any, freed_at: float, key: int) -> bool:
+        """Move a block still watched since its free at ``freed_at`` to class
+        ``key`` (its request's outcome came late).  False if that free is no
+        longer watched (reused, censored, or freed again since)."""
+        for table in (self.watch, self.ghost):
+            entry = table.get(block_hash)
+            if entry is not None:
+                if entry[1] != freed_at:
+                    return False
+                table[block_hash] = (key, freed_at)  # keeps its place in the table
+                return True
+        return False
+
     def evicted(self, block_hash: Any, t: float) -> None:
         entry = self.watch.pop(block_hash, None)
         if entry is None:

@@ -26,6 +26,8 @@ from vllm_wa.sim.prefix_cache import SimPrefixCache
 from vllm_wa.workload_classes import ClassRegistry
 
 ClassKey = FeatureKey | LearnedKey
+# Released requests a late outcome can still refile (as many as the engine's tagger keeps).
+REMEMBER_FINISHED = 4096
 
 
 class ShadowCache:
@@ -55,9 +57,9 @@ class ShadowCache:
             self.queue = FreeKVCacheBlockQueue(blocks)
         else:
             self.queue = WorkloadAwareFreeQueue(blocks, None, clock=self.clock, registry=self.registry)
-            # No late facts reach a miniature cache (it is told each request's
-            # final outcome at its release): nothing to remember for them.
-            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key, remember_finished=0)
+            # It is told each request's outcome at its release, and a late one
+            # (OUTCOME events) for the requests it remembers.
+            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key, remember_finished=REMEMBER_FINISHED)
         return self.queue
 
     def set_key(self, key: ClassKey) -> None:
@@ -99,6 +101,12 @@ class ShadowCache:
         if request is None:
             request = RequestTags(request_id, tag)
         self.cache.release(request_id, t, request)
+
+    def reclassify(self, request: RequestTags, t: float) -> None:
+        """A request it released got a late outcome in the engine: refile its blocks here too."""
+        if self.tagger is not None and request.outcome is not None:
+            self.clock.t = t
+            self.tagger.reclassify(request.request_id, request.outcome, pending=False)
 
     def expire(self, now: float, max_hold_s: float) -> int:
         """Release requests held longer than ``max_hold_s`` (their finish was lost)."""

@@ -7,6 +7,7 @@ from vllm_wa.engine_patch.events import (
     FinishedEvent,
     FreedEvent,
     LookupEvent,
+    OutcomeEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 
@@ -17,5 +18,6 @@ __all__ = [
     "FinishedEvent",
     "FreedEvent",
     "LookupEvent",
+    "OutcomeEvent",
     "WorkloadAwareFreeQueue",
 ]

@@ -30,6 +30,7 @@ from vllm_wa.engine_patch.events import (
     FinishedEvent,
     FreedEvent,
     LookupEvent,
+    OutcomeEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
@@ -90,6 +91,10 @@ class _FreedRequest:
     tags: RequestTags
     serial: int
     block_ids: list[int]
+    freed_at: float
+    # (position, hash, reuse count) of the blocks reported in FREED events:
+    # a late outcome moves their observations too (OutcomeEvent).
+    reported: tuple[tuple[int, Any, int], ...]
 
 
 @dataclass(slots=True)
@@ -350,20 +355,22 @@ class BlockTagger:
             self.reclassified_requests += 1
         if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
-        self.file_blocks(req, blocks, now, started=look.at if look is not None else None)
+        reported = self.file_blocks(req, blocks, now, started=look.at if look is not None else None)
         if not finished:
             # Preempted: the request goes on. A late outcome waits for its real
             # release, and consumers (the miniature caches) still hold it.
             return
         if self._remember:
-            self._remember_freed(key, req, blocks)
+            self._remember_freed(key, req, blocks, now, reported)
         if look is not None and look.timing is not None and self.conversations is not None:
             self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
-    def _remember_freed(self, key: str, req: RequestTags, blocks: Sequence[KVCacheBlock]) -> None:
-        """Keep which blocks ``req`` freed, so a late outcome can refile them."""
+    def _remember_freed(
+        self, key: str, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float, reported: tuple
+    ) -> None:
+        """Keep which blocks ``req`` freed (and reported), so a late outcome can refile them."""
         self._serial += 1
         serial = self._serial
         owner = self._owner
@@ -373,7 +380,7 @@ class BlockTagger:
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
-        recs.append(_FreedRequest(req, serial, ids))
+        recs.append(_FreedRequest(req, serial, ids, now, reported))
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
@@ -384,12 +391,14 @@ class BlockTagger:
         blocks: Sequence[KVCacheBlock],
         now: float | None = None,
         started: float | None = None,
-    ) -> None:
+    ) -> tuple[tuple[int, Any, int], ...]:
         """Write the class (and sampling flag) each block is freed into.
 
         ``started``: when the releasing request was looked up (default:
         ``now``); a queue that stamps at the lookup stamps each block with
-        the latest such start of the requests that held it.
+        the latest such start of the requests that held it.  Returns the
+        ``(position, hash, reuse count)`` of the blocks reported in FREED
+        events when late facts can reach this tagger (else ``()``).
         """
         queue = self.queue
         cls_of = queue.block_class
@@ -428,15 +437,18 @@ class BlockTagger:
         if over_cap:
             self.releases_over_class_cap += 1
         if sink is None:
-            return
-        self._emit_freed(req, blocks, now)
+            return ()
+        return self._emit_freed(req, blocks, now, [] if self._remember else None)
 
-    def _emit_freed(self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> None:
+    def _emit_freed(
+        self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float, reported: list | None
+    ) -> tuple[tuple[int, Any, int], ...]:
         """A FREED event for each sampled block this release puts on the free list.
 
         Blocks that hold a new hash get their sampling flag on the way (one
         pass over the release: it runs for every block the engine frees); a
         replay's trace ids are sampled for the whole release in one call.
+        ``reported`` (None: not kept) collects what the events said of each block.
         """
         sink = self.sink
         sampled, flagged = self.queue.sampled, self._flagged_hash
@@ -455,7 +467,9 @@ class BlockTagger:
                         h, bid = b._block_hash, b.block_id
                         reuse = counts[bid] if counted[bid] == h else 0
                         sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
-                return
+                        if reported is not None:
+                            reported.append((pos, h, reuse))
+                return tuple(reported) if reported else ()
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
@@ -465,20 +479,28 @@ class BlockTagger:
             if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
                 reuse = counts[bid] if counted[bid] == h else 0
                 sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
+                if reported is not None:
+                    reported.append((pos, h, reuse))
+        return tuple(reported) if reported else ()
 
     # ---- late facts --------------------------------------------------------------------
 
-    def reclassify(self, request_id: str, outcome: str) -> int:
+    def reclassify(self, request_id: str, outcome: str, *, pending: bool = True) -> int:
         """Record a late fact about a request's reply and refile its free blocks.
 
         ``request_id`` is the key of :attr:`request_key` (the external id when
         the API server reports).  If the request has not released its blocks
-        yet, the outcome is kept and applied when it does.  It replaces the
-        engine's own ``stop`` or ``length``, never an ``abort`` or ``error``
-        (:data:`ENGINE_FINAL_OUTCOMES`).  Returns the number of blocks moved.
+        yet, the outcome is kept and applied when it does (unless ``pending``
+        is False).  It replaces the engine's own ``stop`` or ``length``, never
+        an ``abort`` or ``error`` (:data:`ENGINE_FINAL_OUTCOMES`).  A released
+        request's change reaches the consumers as an OUTCOME event, since its
+        FREED and FINISHED events carried the outcome it had then.  Returns
+        the number of blocks moved.
         """
         recs = self._finished.get(request_id)
         if recs is None:
+            if not pending:
+                return 0
             self._pending_outcome[request_id] = outcome
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
@@ -495,6 +517,8 @@ class BlockTagger:
         rec.tags = req
         self.reclassified_requests += 1
         queue = self.queue
+        if self.sink is not None:
+            self.sink.emit(OutcomeEvent(EventKind.OUTCOME, queue.clock(), req, rec.freed_at, rec.reported))
         owner = self._owner
         blocks = self.blocks
         key = self.class_key

@@ -34,6 +34,7 @@ class EventKind(IntEnum):
     EVICTED = 1
     LOOKUP = 2
     FINISHED = 3
+    OUTCOME = 4
 
 
 class FreedEvent(NamedTuple):
@@ -88,7 +89,23 @@ class FinishedEvent(NamedTuple):
     request: Any
 
 
-Event = FreedEvent | EvictedEvent | LookupEvent | FinishedEvent
+class OutcomeEvent(NamedTuple):
+    """A late outcome (the API server saw a tool call) refiled a finished request.
+
+    ``request`` is what the request is filed under now (its new outcome);
+    ``freed_at`` the time of its FREED events and ``blocks`` their
+    ``(position, block_hash, reuse_count)``: the sampled blocks whose
+    observations move to the new class.
+    """
+
+    kind: EventKind
+    time: float
+    request: Any
+    freed_at: float
+    blocks: tuple[tuple[int, Any, int], ...]
+
+
+Event = FreedEvent | EvictedEvent | LookupEvent | FinishedEvent | OutcomeEvent
 
 
 def hash_sample_value(block_hash: Any) -> int:
