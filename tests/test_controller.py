@@ -589,6 +589,22 @@ def test_fit_model_families():
         fit_model(d, "weibull")
 
 
+@pytest.mark.parametrize("sample_rate", [None, 1.0, 0.2, 0.01])
+def test_miniature_caches_see_the_share_of_hashes_they_are_sized_for(sample_rate):
+    """Their sample is nested in the watched one: a denser watch (or a sparser
+    one) than the caches need must not change the share they see."""
+    cache_blocks = 100_000
+    cfg = ControllerConfig(shadow_blocks=4096, sample_rate=sample_rate)
+    sink = EventSink(capacity=10, sample_rate=sample_rate or 4096 / cache_blocks)
+    c = WAController(cfg, cache_blocks, Applied(), sink, clock=lambda: 0.0)
+    hashes = range(200_000)
+    watched = tuple(h for h in hashes if sink.is_sampled(h))
+    seen = c._shadow_hashes(LookupEvent(EventKind.LOOKUP, 0.0, "r", "t", watched, ()))
+    assert set(seen) <= set(watched)
+    assert len(seen) / len(hashes) == pytest.approx(c.shadow_blocks / cache_blocks, rel=0.05)
+    assert c.shadow_blocks == round(cache_blocks * min(sink.sample_rate, 4096 / cache_blocks))
+
+
 def test_shadow_caches_release_requests_whose_finish_was_lost():
     from vllm_wa.controller.shadow import ShadowCache
 

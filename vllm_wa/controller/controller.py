@@ -173,8 +173,11 @@ class WAController:
             on_censored=self._on_censored,
         )
         self._chain = sink.chain_rate is not None
-        self._shadow_threshold = int(min(1.0, sample_rate_for(cache_blocks, config.shadow_blocks) / rate) * (1 << 64))
-        self.shadow_blocks = max(2, int(round(cache_blocks * sample_rate_for(cache_blocks, config.shadow_blocks))))
+        # The miniature caches' sample is nested in the watched one (the hashes
+        # whose sample value is below a smaller threshold), and sized by it.
+        shadow_rate = min(rate, sample_rate_for(cache_blocks, config.shadow_blocks))
+        self._shadow_threshold = int(shadow_rate * (1 << 64)) if shadow_rate < rate else 1 << 64
+        self.shadow_blocks = max(2, int(round(cache_blocks * shadow_rate)))
         self.candidates: dict[str, Candidate] = {}
         # Candidates with the same feature key and model family (the same key
         # at two horizons, or with two stamps) see the same class data at every
