@@ -433,6 +433,34 @@ def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
     assert c.errors == 1 and len(applied.calls) == 2
 
 
+def test_a_clock_that_steps_back_stalls_nothing():
+    sink = EventSink(capacity=1 << 20)
+    now = [0.0]
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: now[0])
+    now[0] = feed(sink, 0.0)
+    c.refit()
+    stepped_from = now[0]
+    now[0] -= 0.5
+    for _ in range(5):
+        c.refit()
+        now[0] += 0.1
+    assert c.errors == 0 and c.refits == 6
+    assert c._last_forget == stepped_from  # nothing forgotten twice for the half second replayed
+
+
+def test_a_swap_that_fails_bumps_no_version_and_counts_an_error_not_a_refit():
+    sink = EventSink(capacity=1 << 20)
+    now = [0.0]
+
+    def apply(params, key):
+        raise RuntimeError("the queue refused")
+
+    c = WAController(small_config(), 200, apply, sink, clock=lambda: now[0])
+    now[0] = feed(sink, 0.0)
+    c.refit()
+    assert (c.errors, c.refits, c.version, c.swaps) == (1, 0, 0, 0)
+
+
 def test_pin_and_unpin():
     sink = EventSink()
     applied = Applied()
@@ -506,6 +534,8 @@ def test_default_config_file_matches_defaults():
         ({"tuner": {"full_window_min_requests": 1.5}}, "tuner_full_window_min_requests"),
         ({"tuner": {"short_window_s": -1.0}}, "tuner_short_window_s"),
         ({"tuner": {"short_window_s": 45.0}}, "tuner_short_window_s"),  # under two batches
+        ({"tuner": {"short_window_s": 150.0}}, "tuner_short_window_s"),  # under min_batches (6) batches
+        ({"tuner": {"window_s": 120.0, "short_window_s": 0}}, "tuner_window_s"),  # could never promote
         ({"tuner": {"short_window_confidence": 1.0}}, "tuner_short_window_confidence"),
         ({"tuner": {"candidates": [{"features": ["color"]}], "initial": "lru"}}, "candidates[0].features"),
         ({"tuner": {"candidates": [{"features": ["tag", "tag"]}], "initial": "lru"}}, "candidates[0].features"),
@@ -520,6 +550,19 @@ def test_default_config_file_matches_defaults():
 def test_bad_config_names_the_key(data, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         ControllerConfig.from_dict(data)
+
+
+def test_counts_spelled_as_integral_floats_are_kept_as_integers():
+    cfg = ControllerConfig.from_dict(
+        {"controller": {"event_capacity": 131072.0, "max_classes": 64.0, "shadow_blocks": 4096.0},
+         "tuner": {"min_batches": 6.0, "candidates": [{"features": ["tag"], "classes": 4.0}], "initial": "lru"}}
+    )
+    counts = (cfg.event_capacity, cfg.max_classes, cfg.shadow_blocks, cfg.tuner_min_batches, cfg.candidates[0].classes)
+    assert counts == (131072, 64, 4096, 6, 4) and all(type(v) is int for v in counts)
+    assert cfg.candidates[0].name == "tag/hyper/posterior/L10/K4"
+    c = WAController(cfg, 10_000, Applied(), EventSink(capacity=cfg.event_capacity), clock=lambda: 0.0)
+    c.refit()
+    assert c.errors == 0
 
 
 def test_config_file_errors_name_the_file(tmp_path):

@@ -34,7 +34,7 @@ from vllm_wa.controller.features import FEATURES, FINEST, FOLDED, TIMING_FEATURE
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData
 from vllm_wa.engine_patch.block_tagger import OUTCOMES
 from vllm_wa.fileio import atomic_write
-from vllm_wa.params import ParamsError, WAParams
+from vllm_wa.params import MAX_VERSION, ParamsError, WAParams
 from vllm_wa.validation import check_number
 from vllm_wa.workload_classes import RESERVED_CLASSES, is_valid_tag
 
@@ -44,6 +44,8 @@ CHECKPOINT_VERSION = 2
 # Far above what MAX_FINE_CLASSES classes take (about 4 KiB each); a larger
 # file is refused before it is read.
 MAX_CHECKPOINT_BYTES = 32 << 20
+# Half the version range: a swap a second would take 10^11 years to use the rest.
+MAX_RESTORED_VERSION = MAX_VERSION // 2
 # A class's forgotten count in one bin stays far below this (a million blocks
 # a second over the default 1,800-s memory is about 2.6e9); larger counts are
 # a damaged file, and sums of counts near the float limit overflow to inf,
@@ -150,6 +152,9 @@ def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
         params = WAParams.from_pr_json(data.get("params"))
     except ParamsError as e:
         raise CheckpointError(f"params: {e}") from None
+    if params.version > MAX_RESTORED_VERSION:
+        # A restart continues from it: it must leave room for the swaps to come.
+        raise CheckpointError(f"params.version {params.version} leaves no room for new versions (at most {MAX_RESTORED_VERSION})")
     return Checkpoint(active, params, tuple(classes))
 
 

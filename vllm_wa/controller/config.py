@@ -6,7 +6,7 @@ bad value is an error that names the key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES, FeatureKey
@@ -149,14 +149,25 @@ class ControllerConfig:
             check_number("tuner_replace_confidence", self.tuner_replace_confidence, ge=0.5, le=0.999999, error=ConfigError)
         if self.tuner_batch_s * 2 > self.tuner_demote_window_s:
             raise ConfigError("tuner_demote_window_s must hold at least two batches (2 x tuner_batch_s)")
+        # A promotion needs tuner_min_batches batches inside its window: a shorter window never promotes.
+        if self.tuner_window_s < self.tuner_min_batches * self.tuner_batch_s:
+            raise ConfigError("tuner_window_s must hold tuner_min_batches batches (tuner_min_batches x tuner_batch_s)")
         # 0, or a window not shorter than the promotion window, turns the short look off.
         check_number("tuner_short_window_s", self.tuner_short_window_s, ge=0, error=ConfigError)
-        if 0 < self.tuner_short_window_s < min(self.tuner_window_s, 2 * self.tuner_batch_s):
-            raise ConfigError("tuner_short_window_s must be 0 (off) or hold at least two batches (2 x tuner_batch_s)")
+        if 0 < self.tuner_short_window_s < min(self.tuner_window_s, self.tuner_min_batches * self.tuner_batch_s):
+            raise ConfigError(
+                "tuner_short_window_s must be 0 (off) or hold tuner_min_batches batches (tuner_min_batches x tuner_batch_s)"
+            )
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
         if self.sample_rate is not None:
             check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
         check_number("max_classes", self.max_classes, ge=3, le=MAX_CLASS_CAP, integer=True, error=ConfigError)
+        # Counts spelled as integral floats (4096.0) are accepted, and kept as ints.
+        for name in (
+            "shadow_blocks", "event_capacity", "tuner_min_batches", "tuner_min_requests",
+            "tuner_full_window_min_requests", "max_classes",
+        ):
+            object.__setattr__(self, name, int(getattr(self, name)))
         if self.shadow_sampling not in SHADOW_SAMPLING:
             raise ConfigError(f"shadow_sampling must be one of {SHADOW_SAMPLING}, got {self.shadow_sampling!r}")
         for i, c in enumerate(self.candidates):
@@ -184,6 +195,7 @@ class ControllerConfig:
             per_block = [f for f in c.features if f in BLOCK_FEATURES]
             if c.classes and per_block:
                 raise ConfigError(f"{where}: a learned key (classes > 0) takes request features only, not {per_block}")
+        object.__setattr__(self, "candidates", tuple(replace(c, classes=int(c.classes)) for c in self.candidates))
         if sum(1 for c in self.candidates if c.classes) > 1:
             raise ConfigError("at most one candidate may have learned classes (classes > 0): their class names would collide")
         names = [c.name for c in self.all_candidates]

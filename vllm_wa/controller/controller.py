@@ -313,10 +313,11 @@ class WAController:
     def _refit(self, now: float) -> None:
         self.process(self.sink.drain())
         if self._last_forget is not None and self.estimators:
-            factor = forgetting_factor(now - self._last_forget, self.config.memory_s)
+            # A clock that steps back forgets nothing until it is past its last forget again.
+            factor = forgetting_factor(max(0.0, now - self._last_forget), self.config.memory_s)
             if factor < 1.0:
                 self._bank.decay(factor)
-        self._last_forget = now
+        self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
         self.tracker.expire(now)
         for cand in self.candidates.values():
             cand.shadow.expire(now, self.config.max_watch_s)
@@ -345,9 +346,9 @@ class WAController:
                             sw.requests, sw.batches)
         else:
             self.tuner.account(now)  # the fixed candidate's time still counts
+        self._swap(now)
         self.refits += 1
         self.last_refit = now
-        self._swap(now)
         if self.publish:
             self.snapshot = self.state()
         if self.config.checkpoint_path and now - self._last_checkpoint >= self.config.checkpoint_interval_s:
@@ -469,10 +470,10 @@ class WAController:
                 return False
             if name not in ("pinned", LRU):
                 params = self._with_other_classes(self.candidates[name])
-            self.version += 1
-            params = params.evolve(version=self.version)
+            params = params.evolve(version=self.version + 1)
             params.compile()  # scorers are built here, not on the engine thread
             self.apply(params, key)
+            self.version = params.version
             self.params = params
             self._applied_key = key
             self._applied_candidate = name

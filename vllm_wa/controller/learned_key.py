@@ -77,7 +77,7 @@ def assign(cells: Mapping[str, SurvivalData], k: int, min_events: float, split_s
     Equal data gives an equal table (no randomness, ties broken by name).
     """
     ranked = sorted(
-        ((reuse_within(d, split_s), name, d.n_events) for name, d in cells.items() if d.n_events >= min_events),
+        ((reuse_within(d, split_s), name, d.n_events) for name, d in cells.items() if d.n_events >= min_events and d.n_events > 0),
         key=lambda x: (x[0], x[1]),
     )
     if not ranked:
