@@ -112,6 +112,60 @@ def test_duplicate_chat_ids_and_broken_prefix_chains_are_refused_or_skipped(tmp_
             assert r.hit_blocks == 2
 
 
+def mooncake_line(ts_ms=0.0, hashes=(1, 2), n_in=None, **kw):
+    n_in = 512 * len(hashes) if n_in is None else n_in
+    return json.dumps({"timestamp": ts_ms, "input_length": n_in, "output_length": 5, "hash_ids": list(hashes), **kw})
+
+
+def test_one_bad_record_does_not_condemn_the_good_ones_after_it(tmp_path):
+    """An id's predecessor is the majority's, not the first record's: a bad
+    first record is the one skipped (and named), not every good one."""
+    good = [mooncake_line(1000.0 * i, (1, 2, 10 + i)) for i in range(1, 6)]
+    p = tmp_path / "poison.jsonl"
+    p.write_text("\n".join([mooncake_line(0.0, (99, 1)), *good]) + "\n")
+    with pytest.raises(TraceFormatError, match="request 1 "):
+        load_trace(str(p))
+    tr = load_trace(str(p), skip_bad=True)
+    assert tr.skipped_lines == 1 and [r.request_id for r in tr.requests] == ["2", "3", "4", "5", "6"]
+
+
+def test_a_bailian_trace_is_never_read_as_mooncake(tmp_path):
+    """Mooncake records carry one id per 512 tokens and no chat ids; a Bailian
+    trace whose first record lacks its chat id must not load as Mooncake."""
+    lines = [bailian_line(chat=i, ts=float(i), hashes=(1, 2, 2 + i), n_in=40) for i in range(1, 4)]
+    first = json.loads(lines[0])
+    del first["chat_id"], first["parent_chat_id"]
+    p = tmp_path / "b.jsonl"
+    p.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    assert detect_format(str(p)) == "mooncake"  # the first line alone looks like Mooncake
+    with pytest.raises(TraceFormatError, match=r"b.jsonl:1: .*input_length/512"):
+        load_trace(str(p))
+    with pytest.raises(TraceFormatError, match="no usable requests"):
+        load_trace(str(p), skip_bad=True)
+    chat = tmp_path / "c.jsonl"
+    chat.write_text(mooncake_line(chat_id=4) + "\n")
+    with pytest.raises(TraceFormatError, match="--format bailian"):
+        load_trace(str(chat), "mooncake")
+
+
+def test_agentic_fields_of_the_wrong_type_are_bad_records_and_only_trace_files_are_read(tmp_path):
+    def req(**kw):
+        return {"t": 0.0, "type": "n", "in": 64, "out": 5, "hash_ids": [1], "input_types": ["text"], **kw}
+
+    d = tmp_path / "convs"
+    d.mkdir()
+    (d / "trace_0001.json").write_text(json.dumps({"block_size": 64, "requests": [req(stop="end_turn")]}))
+    (d / "trace_0002.json").write_text(json.dumps({"block_size": 64, "requests": [req(stop=["tool_use"])]}))
+    (d / "trace_0003.json").write_text(json.dumps({"block_size": 64, "requests": [req(input_types=5)]}))
+    (d / "trace_0004.json").write_text("[" * 100_000 + "]" * 100_000)
+    (d / "._trace_0001.json").write_bytes(b"\x00\x05\x16\x07 resource fork")  # a macOS copy's sidecar
+    (d / "metadata.json").write_text(json.dumps({"source": "kv-cache-tester"}))
+    with pytest.raises(TraceFormatError, match="trace_0002.json: field 'stop'"):
+        load_trace(str(d), "agentic")
+    tr = load_trace(str(d), "agentic", skip_bad=True)
+    assert tr.skipped_lines == 3 and [r.request_id for r in tr.requests] == ["trace_0001.json#0"]
+
+
 def test_unreadable_files_and_options_get_clear_errors(tmp_path):
     trunc = tmp_path / "t.jsonl.gz"
     with gzip.open(trunc, "wt") as f:
@@ -651,8 +705,25 @@ def test_resolve_sizes(agentic):
     uniq = agentic.unique_blocks(since=es)
     assert resolve_sizes("10%", agentic, es) == [math.ceil(uniq * 0.1)]
     assert resolve_sizes("300,100,300", agentic, es) == [100, 300]
-    with pytest.raises(ValueError):
-        resolve_sizes("1", agentic, es)
+    ceiling = agentic.unique_blocks() + len(agentic.requests) + 2
+    assert resolve_sizes(str(ceiling), agentic, es) == [ceiling]
+    for bad in ("1", "abc", "1e3", "10x%", "", str(ceiling + 1), "99999999999999999999999", "1e30%"):
+        with pytest.raises(ValueError, match="--cache-blocks"):
+            resolve_sizes(bad, agentic, es)
+
+
+def test_replay_refuses_bad_sizes_and_missing_traces_before_any_sweep(tmp_path, capsys, monkeypatch):
+    from vllm_wa import cli
+
+    loaded = []
+    monkeypatch.setattr(cli, "_load", lambda path, args: loaded.append(path))
+    assert cli_main(["replay", MOONCAKE, "--cache-blocks", "abc", "--no-cache"]) == 2
+    assert "--cache-blocks" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no such trace"):
+        cli_main(["replay", MOONCAKE, str(tmp_path / "missing.jsonl"), "--cache-blocks", "4", "--no-cache"])
+    with pytest.raises(SystemExit, match="--policies"):
+        cli_main(["replay", MOONCAKE, "--policies", ",", "--no-cache"])
+    assert loaded == []
 
 
 def _profile_by_scan(trace: Trace, until: float, lifetime: LifetimeModel, since: float = -math.inf):

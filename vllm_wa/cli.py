@@ -15,7 +15,7 @@ from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
-from vllm_wa.replay.runner import POLICIES, ReplayConfig, prepare, resolve_sizes, sweep_tasks
+from vllm_wa.replay.runner import POLICIES, ReplayConfig, parse_sizes, prepare, resolve_sizes, sweep_tasks
 from vllm_wa.replay.served import replay_config
 from vllm_wa.replay.trace_cache import load_trace_cached
 
@@ -78,6 +78,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    if not policies:
+        raise SystemExit(f"--policies: no policy given; choose from {', '.join(POLICIES)}")
+    parse_sizes(args.cache_blocks)  # a bad size fails before a trace is loaded
+    missing = [path for path in args.traces if not os.path.exists(path)]
+    if missing:  # before the first sweep, not after it
+        raise SystemExit(f"no such trace: {', '.join(missing)}")
     fixed = parse_peer_settings(args.peer_settings, policies)
     tag_swap = None
     if args.tag_swap:

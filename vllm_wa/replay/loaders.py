@@ -26,7 +26,7 @@ import numpy as np
 from vllm_wa.fileio import opener_for
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
-from vllm_wa.validation import check_number
+from vllm_wa.validation import check_number, short_repr
 
 FORMATS = ("bailian", "mooncake", "agentic", "served")
 BAILIAN_BLOCK = 16
@@ -85,7 +85,7 @@ def detect_format(path: str) -> str:
         raise TraceFormatError(path, "the file starts with no record (empty, or a blank first line); pass --format")
     try:
         rec = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return "agentic" if path.endswith(".json") else "unknown"
     if isinstance(rec, dict):
         if "requests" in rec:
@@ -186,8 +186,10 @@ def broken_chains(reqs: list[TraceRequest]) -> np.ndarray:
     (none for a prompt's first block), so no id repeats within a prompt.
     Every policy and both engines rely on it (a hit in the middle of a prompt
     would hold a block twice); every real trace at hand keeps it (the agentic
-    split's 2.6 M ids, Mooncake's 183 k). An id's first appearance sets its
-    predecessor; a request that gives it another one breaks the rule.
+    split's 2.6 M ids, Mooncake's 183 k). An id's predecessor is the one most
+    of its appearances give (ties: the smallest); a request that gives it
+    another one breaks the rule, so one bad record cannot condemn every good
+    one after it.
     """
     if not reqs:
         return np.zeros(0, dtype=np.intp)
@@ -198,6 +200,16 @@ def broken_chains(reqs: list[TraceRequest]) -> np.ndarray:
     pred[1:] = dense[:-1]
     pred[np.cumsum(lens) - lens] = -1
     bad = pred[first][dense] != pred
+    if bad.any():
+        # Some id has two predecessors: take the majority's as the truth.
+        n = len(first)
+        pairs, counts = np.unique(dense.astype(np.int64) * (n + 1) + (pred + 1), return_counts=True)
+        ids, preds = pairs // (n + 1), pairs % (n + 1) - 1
+        order = np.lexsort((-counts, ids))  # per id, the most frequent predecessor first
+        top = order[np.r_[True, ids[order][1:] != ids[order][:-1]]]
+        majority = np.empty(n, dtype=np.int64)
+        majority[ids[top]] = preds[top]
+        bad = majority[dense] != pred
     return np.unique(np.repeat(np.arange(len(reqs)), lens)[bad])
 
 
@@ -255,7 +267,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
                 )
             if chat in seen:
                 raise ValueError(f"chat_id {chat} appears twice (it names one request)")
-        except (ValueError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
                 continue
@@ -290,11 +302,17 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
             rec = json.loads(line)
             if not isinstance(rec, dict):
                 raise ValueError("record is not an object")
+            if "chat_id" in rec or "parent_chat_id" in rec:
+                raise ValueError("a Bailian record (chat_id, parent_chat_id): pass --format bailian")
             ts = _float_field(rec, "timestamp") / 1000.0
             n_in = _int_field(rec, "input_length", lo=1)
             n_out = _int_field(rec, "output_length")
             hashes = _hash_ids(rec)
-        except (ValueError, json.JSONDecodeError) as e:
+            if len(hashes) != math.ceil(n_in / MOONCAKE_BLOCK):
+                raise ValueError(
+                    f"len(hash_ids)={len(hashes)} but ceil(input_length/{MOONCAKE_BLOCK})={math.ceil(n_in / MOONCAKE_BLOCK)}"
+                )
+        except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
                 continue
@@ -314,11 +332,17 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
 # ---- agentic-coding conversations -----------------------------------------------------------
 
 
+def _is_conversation(name: str) -> bool:
+    """A ``trace_*.json`` member (not a metadata file or a ``._`` resource fork copy)."""
+    base = os.path.basename(name)
+    return base.startswith("trace_") and base.endswith(".json")
+
+
 def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
     """(name, raw JSON) of every ``trace_*.json`` in a directory, archive or file."""
     if os.path.isdir(path):
         for name in sorted(os.listdir(path)):
-            if name.endswith(".json"):
+            if _is_conversation(name):
                 with open(os.path.join(path, name), "rb") as f:
                     yield os.path.join(path, name), f.read()
         return
@@ -331,7 +355,7 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
             found: list[tuple[str, bytes]] = []
             with tarfile.open(path, "r:*") as tar:
                 for m in tar:
-                    if m.isfile() and m.name.endswith(".json"):
+                    if m.isfile() and _is_conversation(m.name):
                         f = tar.extractfile(m)
                         if f is not None:
                             found.append((m.name, f.read()))
@@ -347,6 +371,8 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
 
 def _agentic_tag(req: dict) -> str:
     kinds = req.get("input_types") or ()
+    if not isinstance(kinds, list):
+        raise ValueError(f"field 'input_types' must be a list, got {short_repr(kinds)}")
     if "text" in kinds:
         return "human"
     if "tool_result" in kinds:
@@ -384,6 +410,9 @@ def _agentic_requests(
             continue
         hashes = _hash_ids(r, offset=namespace)
         api = r.get("api_time")
+        stop = r.get("stop")
+        if stop is not None and not isinstance(stop, str):
+            raise ValueError(f"field 'stop' must be a string, got {short_repr(stop)}")
         out.append(
             TraceRequest(
                 request_id=f"{where}#{i}",
@@ -393,7 +422,7 @@ def _agentic_requests(
                 output_tokens=_int_field(r, "out"),
                 tag=_agentic_tag(r),
                 conversation=conv,
-                outcome=_OUTCOMES.get(r.get("stop"), "stop" if r.get("stop") else None),
+                outcome=_OUTCOMES.get(stop, "stop" if stop else None),
                 service_time=float(api) if isinstance(api, (int, float)) and math.isfinite(api) and api >= 0 else None,
             )
         )
@@ -438,7 +467,7 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
             _agentic_requests(
                 doc["requests"], os.path.basename(where), conv, offset, (conv + 1) * _NAMESPACE, opts, part, sub_ids
             )
-        except (ValueError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
                 continue

@@ -430,24 +430,48 @@ def sweep(
     return sort_results(run_tasks(setup, sweep_tasks(policies, sizes), jobs, on_result, board), policies)
 
 
-def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
-    """``"1000,2000"`` blocks, or ``"5%,10%"`` of the unique blocks in the evaluation window."""
-    sizes = []
-    unique = None
+def parse_sizes(spec: str) -> list[tuple[str, float | int]]:
+    """``--cache-blocks`` as ``("blocks", n)`` and ``("percent", p)`` entries;
+    ValueError naming the option (checked before any trace is loaded)."""
+    out: list[tuple[str, float]] = []
     for part in spec.split(","):
         part = part.strip()
         if not part:
             continue
-        if part.endswith("%"):
+        try:
+            if part.endswith("%"):
+                out.append(("percent", check_number(f"{part!r} (percent)", float(part[:-1]), gt=0)))
+            else:
+                out.append(("blocks", check_number(f"{part!r} (blocks)", int(part), ge=2)))
+        except ValueError as e:
+            raise ValueError(f"--cache-blocks: {e}; expected block counts (at least 2) or percentages, as in 5%,1000") from None
+    if not out:
+        raise ValueError("--cache-blocks: no cache sizes given")
+    return out
+
+
+def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
+    """``"1000,2000"`` blocks, or ``"5%,10%"`` of the unique blocks in the evaluation window.
+
+    A size above what the trace can fill (every unique block plus one per
+    request: the ``infinite`` policy's pool) is refused: its blocks would be
+    allocated for nothing.
+    """
+    sizes = []
+    unique = None
+    ceiling = None
+    for kind, value in parse_sizes(spec):
+        if kind == "percent":
             if unique is None:
                 unique = trace.unique_blocks(since=eval_start)
-            frac = check_number(f"cache size {part!r} (percent)", float(part[:-1]), gt=0) / 100.0
-            sizes.append(max(2, int(math.ceil(unique * frac))))
+            sizes.append(max(2, int(math.ceil(unique * value / 100.0))))
         else:
-            n = int(part)
-            if n < 2:
-                raise ValueError(f"cache size {part!r} must be at least 2 blocks")
-            sizes.append(n)
-    if not sizes:
-        raise ValueError("no cache sizes given")
+            sizes.append(value)
+        if ceiling is None:
+            ceiling = trace.unique_blocks() + len(trace.requests) + 2
+        if sizes[-1] > ceiling:
+            raise ValueError(
+                f"--cache-blocks: {sizes[-1]} blocks is more than this trace can fill ({ceiling}: every unique "
+                "block plus one per request); the infinite policy measures an unbounded cache"
+            )
     return sorted(set(sizes))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -10,11 +12,26 @@ from dataclasses import asdict
 from typing import Any
 
 from vllm_wa.fileio import atomic_write
+from vllm_wa.replay import loaders, served
+from vllm_wa.replay import trace as trace_module
 from vllm_wa.replay.loaders import AgenticOptions, load_trace
 from vllm_wa.replay.trace import Trace
 
 logger = logging.getLogger(__name__)
 CACHE_VERSION = 3
+# Parsed traces kept, most recently used first (the agentic split's is 340 MB).
+MAX_ENTRIES = 8
+_PARSERS = (loaders, trace_module, served)
+
+
+@functools.cache
+def _parser_digest() -> str:
+    """The parsing code's own digest: a changed loader re-parses instead of reading an old parse."""
+    h = hashlib.sha256()
+    for module in _PARSERS:
+        with open(module.__file__, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def cache_dir() -> str:
@@ -25,6 +42,7 @@ def _key(path: str, fmt: str | None, skip_bad: bool, agentic: AgenticOptions | N
     st = os.stat(path)
     parts: list[Any] = [
         CACHE_VERSION,
+        _parser_digest(),
         os.path.abspath(path),
         st.st_size,
         st.st_mtime_ns,
@@ -53,14 +71,36 @@ def load_trace_cached(
         with open(file, "rb") as f:
             trace = pickle.load(f)
         if isinstance(trace, Trace):
+            os.utime(file)  # recently used: pruned last
             return trace
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+    except Exception:  # noqa: BLE001 - any unreadable entry (another Python's pickle, a torn file) is parsed again
         pass
     trace = load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         with atomic_write(file, "wb") as f:
             pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
+        prune(MAX_ENTRIES)
     except OSError as e:
         logger.warning("could not write the trace cache %s: %s", file, e)
     return trace
+
+
+def prune(keep: int) -> list[str]:
+    """Remove all but the ``keep`` most recently used parsed traces; returns what was removed."""
+    folder = cache_dir()
+    entries = []
+    for name in os.listdir(folder):
+        if name.endswith(".pkl"):
+            full = os.path.join(folder, name)
+            try:
+                entries.append((os.stat(full).st_mtime_ns, full))
+            except OSError:
+                continue
+    entries.sort(reverse=True)
+    removed = []
+    for _, full in entries[keep:]:
+        with contextlib.suppress(OSError):  # another process removed it first
+            os.remove(full)
+            removed.append(full)
+    return removed

@@ -1,0 +1,62 @@
+"""The parsed-trace cache: a parse is reused only while its file, options and parser are the same."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_wa.cli import sample_path
+from vllm_wa.replay import trace_cache
+
+MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
+
+
+@pytest.fixture
+def parses(tmp_path, monkeypatch):
+    """The cache in a fresh folder, and the list of real parses made."""
+    monkeypatch.setenv("VLLM_WA_CACHE", str(tmp_path / "cache"))
+    made = []
+    real = trace_cache.load_trace
+
+    def counted(*args, **kwargs):
+        made.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trace_cache, "load_trace", counted)
+    return made
+
+
+def test_a_parse_is_reused_until_the_parser_changes(parses, monkeypatch):
+    first = trace_cache.load_trace_cached(MOONCAKE)
+    again = trace_cache.load_trace_cached(MOONCAKE)
+    assert len(parses) == 1 and len(again.requests) == len(first.requests)
+    monkeypatch.setattr(trace_cache, "_parser_digest", lambda: "another loader")
+    trace_cache.load_trace_cached(MOONCAKE)
+    assert len(parses) == 2
+
+
+def test_an_unreadable_entry_is_parsed_again(parses):
+    trace_cache.load_trace_cached(MOONCAKE)
+    (entry,) = os.listdir(trace_cache.cache_dir())
+    # What a newer Python's pickle looks like to this one: "unsupported pickle protocol" (a ValueError).
+    with open(os.path.join(trace_cache.cache_dir(), entry), "wb") as f:
+        f.write(b"\x80\x09garbage")
+    assert trace_cache.load_trace_cached(MOONCAKE).requests
+    assert len(parses) == 2
+
+
+def test_the_cache_keeps_only_the_most_recently_used_parses(parses, monkeypatch, tmp_path):
+    monkeypatch.setattr(trace_cache, "MAX_ENTRIES", 2)
+    folder = trace_cache.cache_dir()
+    seen: set[str] = set()
+    for i, cut in enumerate((100.0, 200.0, 300.0)):
+        trace_cache.load_trace_cached(MOONCAKE, cut=cut)
+        for name in set(os.listdir(folder)) - seen:  # distinct use times, whatever the clock's grain
+            os.utime(os.path.join(folder, name), ns=(10**9 * (i + 1),) * 2)
+            seen.add(name)
+    assert len(os.listdir(folder)) == 2
+    assert len(parses) == 3
+    trace_cache.load_trace_cached(MOONCAKE, cut=300.0)  # kept
+    trace_cache.load_trace_cached(MOONCAKE, cut=100.0)  # pruned: parsed again
+    assert len(parses) == 4
