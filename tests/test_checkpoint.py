@@ -57,6 +57,7 @@ def saved(tmp_path):
     c = controller(lambda: clock[0])
     clock[0] = feed(c.sink, 0.0)
     c.refit()
+    clock[0] = feed(c.sink, clock[0])  # more data, new fits: a second version
     c.refit()
     path = tmp_path / "ckpt.json"
     assert c.save_checkpoint(str(path))

@@ -429,6 +429,7 @@ def test_refit_failure_is_counted_and_last_params_stay(monkeypatch):
     assert c.errors == 1 and "fit exploded" in c.last_error
     assert c.params is good and len(applied.calls) == 1
     monkeypatch.undo()
+    clock[0] += 2.0  # the next fit, with the data the failed one could not use
     c.refit()
     assert c.errors == 1 and len(applied.calls) == 2
 
@@ -459,6 +460,71 @@ def test_a_swap_that_fails_bumps_no_version_and_counts_an_error_not_a_refit():
     now[0] = feed(sink, 0.0)
     c.refit()
     assert (c.errors, c.refits, c.version, c.swaps) == (1, 0, 0, 0)
+
+
+def test_the_live_queue_gets_other_keys_models_but_not_another_familys_of_its_own_key():
+    """A class the running candidate's test left on its default stays there
+    (as in its miniature cache); blocks filed under other keys' classes keep
+    those keys' models."""
+    c = WAController(small_config(), 200, Applied(), EventSink(capacity=16), clock=lambda: 0.0)
+    hyper = c.candidates["tag+outcome/hyper/posterior/L10"]
+    expo = c.candidates["tag+outcome/exp/pr/L5"]
+    tag_only = c.candidates["tag/hyper/posterior/L10"]
+    default = ReuseModel((0.3, 0.3), (1.0, 0.01))
+    hyper.params = WAParams(models={"code.o:tool": ReuseModel((0.9,), (0.5,))}, default=default, horizon=10.0)
+    expo.params = WAParams(models={"chat.o:stop": ReuseModel.exponential(0.2, 0.001)}, horizon=5.0, mode="pr")
+    tag_only.params = WAParams(models={"chat": ReuseModel.exponential(0.4, 0.1)}, horizon=10.0)
+    live = c._with_other_classes(hyper)
+    assert live.model_for("chat.o:stop") == default
+    assert live.model_for("chat") == ReuseModel.exponential(0.4, 0.1)
+    assert live.model_for("code.o:tool") == ReuseModel((0.9,), (0.5,))
+
+
+def test_refits_that_change_nothing_swap_nothing():
+    sink = EventSink(capacity=100_000)
+    now = [0.0]
+    c = WAController(small_config(fit_interval_s=1e9), 200, Applied(), sink, clock=lambda: now[0])
+    now[0] = feed(sink, 0.0)
+    c.refit()
+    assert (c.swaps, c.version) == (1, 1)
+    for _ in range(5):
+        now[0] += 1.0
+        c.refit()
+    assert (c.swaps, c.version) == (1, 1)
+
+
+def test_miniature_caches_retire_idle_classes_as_the_live_queue_does():
+    from vllm_wa.controller.shadow import ShadowCache
+
+    sc = ShadowCache(CandidateSpec(("tag",)), 512, 64, FeatureKey(("tag",)), retire_after_s=1800.0)
+    for i in range(100):  # a new tag every hour: each is idle long before the next
+        t = 3600.0 * (i + 1)
+        sc.lookup(f"r{i}", f"tag{i}", [("h", i, 0), ("h", i, 1)], t)
+        sc.finish(f"r{i}", RequestTags(f"r{i}", f"tag{i}", "stop"), t)
+    assert sc.queue.free_blocks_by_class().get("other", 0) == 0
+    assert "tag99" in sc.queue.free_blocks_by_class()
+
+
+def test_a_lookup_is_one_observation_per_class_of_each_key_however_many_finest_classes_it_spans():
+    """The class test scales its statistic by lookups per reused block: a
+    lookup whose blocks fall in four reuse buckets is one lookup of the
+    tag+outcome class, not four."""
+    sink = EventSink(capacity=1 << 20)
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: 0.0)
+    t = 0.0
+    for r in range(20):
+        req = RequestTags(f"r{r}", "chat", "stop")
+        hashes = [("b", r, j) for j in range(8)]
+        for j, h in enumerate(hashes):  # a shared prefix: earlier blocks were reused more often
+            sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, (5, 5, 3, 3, 2, 1, 0, 0)[j]))
+        t += 5.0
+        sink.emit(LookupEvent(EventKind.LOOKUP, t, f"n{r}", "chat", tuple(hashes), ()))
+        t += 1.0
+    c.process(sink.drain())
+    coarse = c._class_data(FeatureKey(("tag", "outcome")), None)["chat.o:stop"]
+    assert (coarse.groups, coarse.n_events) == (20.0, 160.0)
+    by_reuse = c._class_data(FeatureKey(("tag", "outcome", "reuse")), None)
+    assert {name: d.groups for name, d in by_reuse.items()} == {f"chat.o:stop.r{i}": 20.0 for i in range(4)}
 
 
 def test_pin_and_unpin():

@@ -162,9 +162,13 @@ class WAController:
         self.estimators: list[ReuseEstimator] = []
         # The finest classes' observations, one row each (forgotten and pooled for all at once).
         self._bank = SurvivalBank()
-        # Per class key: its class names (in order of first finest class) and
-        # each finest class's index among them, extended as classes appear.
-        self._labels: dict[FeatureKey, tuple[list[str], dict[str, int], list[int]]] = {}
+        # Per class key: its class names (in order of first finest class),
+        # each finest class's index among them, extended as classes appear,
+        # and each class's lookups that found reuses (forgotten as the
+        # observations are): the class test counts one lookup's blocks as one
+        # observation per class of the key, however many finest classes they span.
+        self._labels: dict[FeatureKey, tuple[list[str], dict[str, int], list[int], list[float]]] = {}
+        self._found: list[int] = []  # the finest classes the lookup being processed found reuses in
         self.tracker = ReuseTracker(
             ghost_capacity=int(config.ghost_factor * sampled_cache),
             watch_capacity=2 * sampled_cache + 1024,
@@ -186,10 +190,14 @@ class WAController:
         self._default_fits = {c.family: ModelFit(c.family) for c in config.all_candidates if not c.lru}
         for spec in config.all_candidates:
             key = candidate_key(spec)
-            shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes, key)
+            shadow = ShadowCache(spec, self.shadow_blocks, config.max_classes, key, config.class_retire_s)
             fits = shared_fits.setdefault((key, spec.family), {}) if isinstance(key, FeatureKey) else {}
             self.candidates[spec.name] = Candidate(spec, shadow, key, fits=fits)
         self._shadows = [c.shadow for c in self.candidates.values()]
+        for cand in self.candidates.values():
+            counted = cand.key.cells if isinstance(cand.key, LearnedKey) else cand.key
+            if counted is not None:
+                self._key_labels(counted)
         self.tuner = Tuner(list(self.candidates), config.tuner_settings, initial=config.initial)
         self.pinned: WAParams | None = None
         self._pinned_key: FeatureKey | None = None
@@ -237,6 +245,7 @@ class WAController:
 
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
         """The reuses one lookup found in a finest class (see ``ReuseEstimator.update_many``)."""
+        self._found.append(fid)
         if self.estimators[fid].update_many(gaps):
             self.drift_events.append({"time": t, "class": FINEST.name_of(self._fine[fid])})
 
@@ -280,6 +289,9 @@ class WAController:
                 tracker.evicted(ev.block_hash, ev.time)
             elif kind == EventKind.LOOKUP:
                 tracker.looked_up(ev.hashes, ev.time)
+                if self._found:
+                    self._count_lookup(self._found)
+                    self._found.clear()
                 hs = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
                     # The same sampled request in every miniature cache: paired evidence.
@@ -317,6 +329,8 @@ class WAController:
             factor = forgetting_factor(max(0.0, now - self._last_forget), self.config.memory_s)
             if factor < 1.0:
                 self._bank.decay(factor)
+                for _, _, _, groups in self._labels.values():
+                    groups[:] = [g * factor for g in groups]
         self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
         self.tracker.expire(now)
         for cand in self.candidates.values():
@@ -373,23 +387,40 @@ class WAController:
         each finest class's index among them (kept for the candidates' fixed
         keys, which see every fit; a learned key's table changes)."""
         if isinstance(key, FeatureKey):
-            names, index, labels = self._labels.setdefault(key, ([], {}, []))
+            names, index, labels, groups = self._labels.setdefault(key, ([], {}, [], []))
         else:
-            names, index, labels = [], {}, []
+            names, index, labels, groups = [], {}, [], []
         for comps in self._fine[len(labels):]:
             name = key.name_of(comps)
             i = index.get(name)
             if i is None:
                 i = index[name] = len(names)
                 names.append(name)
+                groups.append(0.0)
             labels.append(i)
         return names, np.array(labels, dtype=np.intp)
 
+    def _count_lookup(self, fids: list[int]) -> None:
+        """One lookup found reuses in finest classes ``fids``: one group for each class of each key."""
+        top = max(fids)
+        for key, (_, _, labels, groups) in self._labels.items():
+            if top >= len(labels):
+                self._key_labels(key)
+            for i in {labels[f] for f in fids}:
+                groups[i] += 1.0
+
     def _class_data(self, key: ClassKey, at_risk: AtRisk) -> dict[str, SurvivalData]:
         """The observations of each class of ``key``: its finest classes pooled,
-        then the blocks they still watch."""
+        then the blocks they still watch.  A counted key's classes carry its
+        own lookup counts (pooling finest classes would count a lookup once
+        in each)."""
         names, labels = self._key_labels(key)
-        return dict(zip(names, self._bank.pool(labels, len(names), at_risk)))
+        data = self._bank.pool(labels, len(names), at_risk)
+        counted = self._labels.get(key) if isinstance(key, FeatureKey) else None
+        if counted is not None:
+            for d, g in zip(data, counted[3]):
+                d.groups = g
+        return dict(zip(names, data))
 
     def _learn_key(self, cand: Candidate, at_risk: AtRisk) -> dict[str, SurvivalData]:
         """Re-learn a learned key's table; returns its classes' observations."""
@@ -461,6 +492,9 @@ class WAController:
         """Apply the target parameters if they differ from the live ones; under the lock."""
         with self._swap_lock:
             params, key, name = self._target()
+            if name not in ("pinned", LRU):
+                params = self._with_other_classes(self.candidates[name])
+            # Compared as applied (merged): an unmerged target never equals the live parameters.
             if (
                 self.version > 0
                 and name == self._applied_candidate
@@ -468,8 +502,6 @@ class WAController:
                 and not params_changed(self.params, params, self.config.swap_tolerance)
             ):
                 return False
-            if name not in ("pinned", LRU):
-                params = self._with_other_classes(self.candidates[name])
             params = params.evolve(version=self.version + 1)
             params.compile()  # scorers are built here, not on the engine thread
             self.apply(params, key)
@@ -486,12 +518,15 @@ class WAController:
 
         Blocks freed under an earlier class key keep their class until they
         leave the queue; class names of different keys never collide, so
-        adding every candidate's current models keeps those blocks scored by
-        what was learned about them instead of by the default model.
+        adding every other key's current models keeps those blocks scored by
+        what was learned about them instead of by the default model.  A
+        candidate of the same key (another family or horizon) adds nothing:
+        a class the active candidate leaves to its default stays there, as
+        in its miniature cache.
         """
         merged: dict[str, ReuseModel] = {}
         for other in self.candidates.values():
-            if other is not cand and not other.spec.lru:
+            if other is not cand and not other.spec.lru and other.key != cand.key:
                 merged.update(other.params.models)
         if not merged:
             return cand.params
@@ -629,6 +664,13 @@ class WAController:
             row.events[:] = d.events
             row.censored[:] = d.censored
             row.groups = d.groups
+        # The checkpoint keeps lookups per finest class only: each key starts
+        # from their sum (at most one per class spanned), and counts exactly from here.
+        for key, (names, _, _, groups) in self._labels.items():
+            _, labels = self._key_labels(key)
+            groups[:] = [0.0] * len(names)
+            for fid, label in enumerate(labels.tolist()):
+                groups[label] += self.estimators[fid].data.groups
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it.
         self.params = ckpt.params

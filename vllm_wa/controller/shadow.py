@@ -33,15 +33,23 @@ REMEMBER_FINISHED = 4096
 class ShadowCache:
     """One candidate's miniature cache."""
 
-    def __init__(self, spec: CandidateSpec, num_blocks: int, max_classes: int, key: ClassKey | None) -> None:
-        """``key`` is the candidate's class key (None for LRU)."""
+    def __init__(
+        self,
+        spec: CandidateSpec,
+        num_blocks: int,
+        max_classes: int,
+        key: ClassKey | None,
+        retire_after_s: float = float("inf"),
+    ) -> None:
+        """``key`` is the candidate's class key (None for LRU); classes idle for
+        ``retire_after_s`` give their slot back, as in the live queue."""
         self.spec = spec
         self.name = spec.name
         self.key = key
         self.clock = SettableClock()
         self.tagger: BlockTagger | None = None
         self.queue: Any = None
-        self.registry = ClassRegistry(max_classes=max_classes)
+        self.registry = ClassRegistry(max_classes=max_classes, retire_after_s=retire_after_s)
         # Prefix hits over the sampled blocks: a candidate that keeps deep
         # blocks but loses their prefix gains nothing, as in the real cache.
         self.cache = SimPrefixCache(max(2, num_blocks), self._make_queue, last_block_hits=True)
