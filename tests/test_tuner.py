@@ -198,6 +198,23 @@ def test_demotes_when_lrus_lead_clears_the_margin_with_confidence():
     assert sw.lead == pytest.approx(0.006) and sw.lower_bound > SETTINGS.margin
 
 
+def test_lrus_small_full_window_lead_moves_back_as_a_demotion():
+    """Under the demotion margin but over the full window's: back to LRU,
+    counted as a demotion, and the candidate needs fresh evidence after."""
+    t = Tuner(["lru", "x"], TunerSettings(), initial="x")
+    rng = random.Random(1)
+    sw = None
+    for step in range(3000):
+        for _ in range(3):  # LRU hits 0.2 points more often
+            base = sum(rng.random() < 0.5 for _ in range(20))
+            t.record(float(step), 20, [base + (rng.random() < 0.04), base])
+        if step % 5 == 0 and (sw := t.decide(float(step))) is not None:
+            break
+    assert sw is not None and (sw.to_candidate, sw.reason) == ("lru", "demote")
+    assert sw.lower_bound < TunerSettings().margin
+    assert (t.promotions, t.demotions) == (0, 1) and t.evidence_since["x"] == sw.time
+
+
 def test_seconds_on_each_candidate_add_up():
     tuner = Tuner([LRU, WA], SETTINGS)
     rng = random.Random(4)

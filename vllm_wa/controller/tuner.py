@@ -347,6 +347,11 @@ class Tuner:
         promote = self._promotion(now)
         if promote is not None:
             name, cmp, lb = promote
+            if name == LRU:
+                # LRU's full-window lead: back to the guard-rail, as a demotion.
+                self.evidence_since[self.active] = now
+                self.demotions += 1
+                return self._switch(now, LRU, "demote", cmp, lb)
             self.promotions += 1
             return self._switch(now, name, "promote", cmp, lb)
         replace = self._replacement(now)
