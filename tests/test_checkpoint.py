@@ -111,7 +111,7 @@ def _crafted(saved_data) -> list:
         json.dumps({**good, "params": {**good["params"], "version": 2**64}}),
         # One within that range but leaving no room for the next swap's version.
         json.dumps({**good, "params": {**good["params"], "version": 2**63 - 1}}),
-        json.dumps({**good, "classes": [_class_entry([f"t{i}", "stop", 0, 0, *FOLD]) for i in range(5000)]}),
+        json.dumps({**good, "classes": [_class_entry([f"t{i}", "stop", 0, 0, *FOLD]) for i in range(6000)]}),
         json.dumps({**good, "classes": {"not": "a list"}}),
         json.dumps({**good, "active": ["unhashable"]}),
         json.dumps({**good, "params": {"a": {"x": 1}, "p": {"x": 7}}}),

@@ -527,6 +527,22 @@ def test_a_lookup_is_one_observation_per_class_of_each_key_however_many_finest_c
     assert {name: d.groups for name, d in by_reuse.items()} == {f"chat.o:stop.r{i}": 20.0 for i in range(4)}
 
 
+def test_past_the_finest_class_cap_new_classes_keep_their_tag_and_outcome(monkeypatch):
+    import vllm_wa.controller.controller as mod
+
+    monkeypatch.setattr(mod, "MAX_FINE_CLASSES", 4)
+    monkeypatch.setattr(mod, "FOLDED_ROOM", 2)
+    c = WAController(small_config(), 200, Applied(), EventSink(capacity=16), clock=lambda: 0.0)
+    for i in range(4):
+        c._fine_id(("a", "stop", i, 0, "u", 0, "u", "u"))
+    folded = c._fine_id(("fresh", "tool", 1, 2, 3, 1, 2, 3))
+    assert c._fine[folded][:2] == ("fresh", "tool") and set(c._fine[folded][2:]) == {"*"}
+    assert c._fine_id(("fresh", "tool", 0, 0, 0, 0, 0, 0)) == folded
+    c._fine_id(("b", "stop", 0, 0, 0, 0, 0, 0))  # the room is used up
+    assert c._fine[c._fine_id(("c", "stop", 0, 0, 0, 0, 0, 0))][0] == "other"
+    assert FeatureKey(("tag", "outcome")).name_of(c._fine[folded]) == "fresh.o:tool"
+
+
 def test_pin_and_unpin():
     sink = EventSink()
     applied = Applied()

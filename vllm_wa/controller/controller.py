@@ -54,8 +54,11 @@ from vllm_wa.workload_classes import ClassRegistry
 logger = logging.getLogger(__name__)
 # Finest classes (one estimator each, about 4 KiB): the default candidates'
 # union of features (tag x outcome x reuse x think x reply x growth x turn)
-# has up to 1,600 per tag and outcome; past the cap new ones share "other".
+# has up to 1,600 per tag and outcome; past the cap new ones keep only their
+# tag and outcome (up to FOLDED_ROOM of those), then share "other".
 MAX_FINE_CLASSES = 4096
+# Finest classes past the cap that keep their tag and outcome (a tag cap's worth of outcomes).
+FOLDED_ROOM = 1024
 # Finest classes with blocks still watched, and those blocks' censored counts per bin.
 AtRisk = tuple[np.ndarray, np.ndarray] | None
 
@@ -231,7 +234,11 @@ class WAController:
         fid = self._fine_ids.get(comps)
         if fid is None:
             if len(self._fine) >= MAX_FINE_CLASSES:
-                comps = self._other_fine
+                # Full: keep the tag and outcome (every key has them to
+                # tell apart), fold the rest; past some room for those, all is other.
+                comps = comps[:2] + self._other_fine[2:]
+                if len(self._fine) >= MAX_FINE_CLASSES + FOLDED_ROOM and comps not in self._fine_ids:
+                    comps = self._other_fine
                 fid = self._fine_ids.get(comps)
                 if fid is not None:
                     return fid
@@ -650,7 +657,7 @@ class WAController:
     def load_checkpoint(self, path: str) -> bool:
         """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
         try:
-            ckpt = read_checkpoint(path, max_classes=MAX_FINE_CLASSES)
+            ckpt = read_checkpoint(path, max_classes=MAX_FINE_CLASSES + FOLDED_ROOM + 1)
         except CheckpointError as e:
             logger.warning("vllm-wa: ignoring checkpoint %s (%s); starting from the prior", path, e)
             return False
