@@ -166,6 +166,26 @@ def test_agentic_fields_of_the_wrong_type_are_bad_records_and_only_trace_files_a
     assert tr.skipped_lines == 3 and [r.request_id for r in tr.requests] == ["trace_0001.json#0"]
 
 
+def test_replay_says_what_it_loaded_and_warns_of_a_window_past_the_cut(tmp_path):
+    d = tmp_path / "convs"
+    d.mkdir()
+    for i in range(10):
+        (d / f"trace_{i:04d}.json").write_text(json.dumps({"block_size": 64, "requests": [
+            {"t": 5.0 * j, "type": "n", "in": 64 * (j + 1), "out": 5, "hash_ids": list(range(1, j + 2)),
+             "input_types": ["text"]} for j in range(3)]}))
+    out = tmp_path / "r.json"
+    args = ["replay", str(d), "--policies", "lru", "--cache-blocks", "4", "--no-cache", "--json", str(out)]
+    assert cli_main([*args, "--window", "1200", "--cut", "600"]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    (loaded,) = meta["loaded"].values()
+    assert (meta["cut"], meta["window"], loaded["format"], loaded["skipped_records"]) == (600.0, 1200.0, "agentic", 0)
+    assert any("10 conversation files" in n for n in loaded["notes"])
+    assert any("longer than the cut" in n for n in loaded["notes"])
+    assert cli_main([*args, "--window", "60", "--cut", "600"]) == 0
+    (loaded,) = json.loads(out.read_text())["meta"]["loaded"].values()
+    assert not any("longer than the cut" in n for n in loaded["notes"])
+
+
 def test_unreadable_files_and_options_get_clear_errors(tmp_path):
     trunc = tmp_path / "t.jsonl.gz"
     with gzip.open(trunc, "wt") as f:

@@ -105,6 +105,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     unique: dict[str, int] = {}
     choices: dict[str, dict] = {}
     timing: dict[str, dict[str, float]] = {}
+    loaded: dict[str, dict] = {}
     t_start = time.perf_counter()
     check_outputs(args.json, args.plot)
     used_fraction: dict[str, float] = {}
@@ -119,6 +120,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
             + (" (SYNTHETIC)" if trace.synthetic else "")
             + f", loaded in {time.perf_counter() - t0:.1f}s"
         )
+        for note in trace.notes:
+            _progress(f"[{path}] {note}")
+        loaded[trace.name] = {
+            "format": trace.fmt,
+            "requests": len(trace.requests),
+            "skipped_records": trace.skipped_lines,
+            "synthetic": trace.synthetic,
+            "notes": list(trace.notes),
+        }
         timing[trace.name] = {"load_s": time.perf_counter() - t0}
         if trace.fmt == "served":
             # What a benchmark server saw: measured from its first request, with its own service times.
@@ -196,6 +206,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "profile_fraction": used_fraction,
         "seed": args.seed,
         "tag_swap": args.tag_swap,
+        "cut": args.cut,
+        "window": args.window,
+        "conversations": args.conversations,
+        "skip_bad": args.skip_bad,
+        "loaded": loaded,
         "unique_blocks_eval": unique,
         "peer_settings": {t: {p: c.to_json() for p, c in cs.items()} for t, cs in choices.items()},
         "peer_settings_fixed": fixed,

@@ -475,7 +475,14 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
         reqs.extend(part)
     trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path, skip_bad)
     trace.conversations = True
+    kept = len({r.conversation for r in trace.requests})
     trace.notes.append(
-        f"{len(files)} conversations, offsets uniform in [0, {opts.window:g}] s (seed {opts.seed}), cut at {opts.cut:g} s"
+        f"{len(files)} conversation files ({kept} conversations with requests before the cut, sub-agents counted), "
+        f"offsets uniform in [0, {opts.window:g}] s (seed {opts.seed}), cut at {opts.cut:g} s"
     )
+    if opts.window > opts.cut:
+        trace.notes.append(
+            f"warning: the offset window ({opts.window:g} s) is longer than the cut ({opts.cut:g} s): "
+            "conversations that start after the cut are dropped whole"
+        )
     return trace

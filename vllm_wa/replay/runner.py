@@ -442,7 +442,7 @@ def parse_sizes(spec: str) -> list[tuple[str, float | int]]:
             if part.endswith("%"):
                 out.append(("percent", check_number(f"{part!r} (percent)", float(part[:-1]), gt=0)))
             else:
-                out.append(("blocks", check_number(f"{part!r} (blocks)", int(part), ge=2)))
+                out.append(("blocks", check_number(f"{part!r} (blocks)", int(part), ge=2, integer=True)))
         except ValueError as e:
             raise ValueError(f"--cache-blocks: {e}; expected block counts (at least 2) or percentages, as in 5%,1000") from None
     if not out:
