@@ -186,6 +186,41 @@ def test_replay_says_what_it_loaded_and_warns_of_a_window_past_the_cut(tmp_path)
     assert not any("longer than the cut" in n for n in loaded["notes"])
 
 
+def test_bailian_conversations_do_not_depend_on_the_order_of_lines(tmp_path):
+    lines = [
+        bailian_line(chat=1, ts=0.0, hashes=(1, 2, 3)),
+        bailian_line(chat=2, parent=1, ts=10.0, hashes=(1, 2, 3, 4), n_in=64, turn=2),
+        bailian_line(chat=3, parent=2, ts=20.0, hashes=(1, 2, 3, 4, 5), n_in=80, turn=3),
+        bailian_line(chat=4, parent=77, ts=5.0, hashes=(9, 8, 7)),  # its parent is not in the trace
+    ]
+    convs = []
+    for name, order in (("fwd", lines), ("rev", lines[::-1])):
+        p = tmp_path / f"{name}.jsonl"
+        p.write_text("\n".join(order) + "\n")
+        convs.append({r.request_id: r.conversation for r in load_trace(str(p), "bailian").requests})
+    assert convs[0] == convs[1] == {"1": 1, "2": 1, "3": 1, "4": 77}
+
+
+def test_detection_reads_the_first_record_alone_past_a_bom_and_knows_every_tar_compression(tmp_path):
+    good = [mooncake_line(1000.0 * i, (1, 2 + i)) for i in range(8)]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + "\n".join(good).encode() + b"\n")
+    assert detect_format(str(bom)) == "mooncake" and len(load_trace(str(bom)).requests) == 8
+    late = tmp_path / "late.jsonl"  # a bad byte on line 6 is that record's problem, not the file's
+    late.write_bytes("\n".join(good[:5]).encode() + b'\n{"timestamp": "\xff"}\n' + "\n".join(good[5:]).encode())
+    assert detect_format(str(late)) == "mooncake"
+    assert load_trace(str(late), skip_bad=True).skipped_lines == 1
+    d = tmp_path / "convs"
+    d.mkdir()
+    (d / "trace_0001.json").write_text(json.dumps({"block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 64, "out": 5, "hash_ids": [1], "input_types": ["text"]}]}))
+    for suffix, mode in ((".tar.bz2", "w:bz2"), (".txz", "w:xz")):
+        archive = tmp_path / f"convs{suffix}"
+        with tarfile.open(archive, mode) as tar:
+            tar.add(d / "trace_0001.json", arcname="convs/trace_0001.json")
+        assert detect_format(str(archive)) == "agentic" and len(load_trace(str(archive)).requests) == 1
+
+
 def test_unreadable_files_and_options_get_clear_errors(tmp_path):
     trunc = tmp_path / "t.jsonl.gz"
     with gzip.open(trunc, "wt") as f:

@@ -8,7 +8,6 @@ returned silently.
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import lzma
@@ -56,6 +55,8 @@ class AgenticOptions:
 
 # Agentic conversations' hash ids live in namespaces of 2**40 ids each.
 _NAMESPACE = 1 << 40
+# Archives of agentic conversations (tarfile reads each compression).
+_ARCHIVES = (".tar", ".tar.xz", ".txz", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2")
 # What a damaged compressed or non-UTF-8 file raises while it is read.
 _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError)
 
@@ -64,19 +65,16 @@ def _open_binary(path: str) -> IO[bytes]:
     return opener_for(path)(path, "rb")
 
 
-def _open_text(path: str) -> IO[str]:
-    return io.TextIOWrapper(_open_binary(path), encoding="utf-8")
-
-
 def detect_format(path: str) -> str:
     """Guess a trace's format from its name and first record."""
     if is_served_result(path):
         return "served"
-    if os.path.isdir(path) or any(path.endswith(s) for s in (".tar", ".tar.xz", ".tar.gz", ".tgz")):
+    if os.path.isdir(path) or path.endswith(_ARCHIVES):
         return "agentic"
     try:
-        with _open_text(path) as f:
-            first = f.readline().strip()
+        with _open_binary(path) as f:
+            # The first line alone, as bytes: a bad byte further on is that record's problem.
+            first = f.readline().decode("utf-8-sig", errors="replace").strip()
             if path.endswith(".json") and not first.endswith("}"):
                 return "agentic"
     except _READ_ERRORS as e:
@@ -235,6 +233,30 @@ def _finish(
     return Trace(name, block_size, reqs, fmt, skipped_lines=skipped)
 
 
+def _conversation_roots(parent_of: dict[int, int]) -> dict[int, int]:
+    """Each chat's conversation: its first ancestor along ``parent_chat_id``
+    (a parent missing from the trace stands for its own, unseen, root), in
+    whatever order the lines come."""
+    roots: dict[int, int] = {}
+    for chat in parent_of:
+        path: list[int] = []
+        on_path: set[int] = set()
+        node = chat
+        while node not in roots:
+            parent = parent_of[node]
+            if parent < 0 or parent in on_path or parent == node:
+                roots[node] = node  # a root (or a cycle, cut here)
+            elif parent not in parent_of:
+                roots[node] = parent  # the parent's request is not in the trace
+            else:
+                path.append(node)
+                on_path.add(node)
+                node = parent
+        for n in path:
+            roots[n] = roots[node]
+    return roots
+
+
 def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     """Aliyun Bailian traces (``alibaba-edu/qwen-bailian-usagetraces-anon``).
 
@@ -243,7 +265,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     """
     reqs: list[TraceRequest] = []
     skipped = 0
-    root_of: dict[int, int] = {}
+    parent_of: dict[int, int] = {}
     seen: set[int] = set()
     synthetic = False
     for lineno, line in _json_lines(path):
@@ -274,8 +296,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
             raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
         seen.add(chat)
         synthetic = synthetic or bool(rec.get("synthetic"))
-        root = root_of.get(parent, parent) if parent >= 0 else chat
-        root_of[chat] = root
+        parent_of[chat] = parent
         reqs.append(
             TraceRequest(
                 request_id=f"{chat}",
@@ -284,9 +305,11 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
                 input_tokens=n_in,
                 output_tokens=n_out,
                 tag=f"{typ}_{min(max(turn, 1), BAILIAN_MAX_TURN)}",
-                conversation=root,
             )
         )
+    roots = _conversation_roots(parent_of)
+    for r in reqs:
+        r.conversation = roots[int(r.request_id)]
     trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path, skip_bad)
     trace.synthetic = synthetic
     trace.conversations = True
