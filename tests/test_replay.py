@@ -778,6 +778,13 @@ def test_replay_refuses_bad_sizes_and_missing_traces_before_any_sweep(tmp_path, 
         cli_main(["replay", MOONCAKE, str(tmp_path / "missing.jsonl"), "--cache-blocks", "4", "--no-cache"])
     with pytest.raises(SystemExit, match="--policies"):
         cli_main(["replay", MOONCAKE, "--policies", ",", "--no-cache"])
+    for bad, says in (
+        (["--tag-swap", "human,human"], "two different tags"),
+        (["--policies", "lru,tlru", "--peer-settings", "tlru=1,tlru=2"], "set twice"),
+        (["--json", str(tmp_path)], "names a directory"),
+    ):
+        with pytest.raises(SystemExit, match=says):
+            cli_main(["replay", MOONCAKE, "--cache-blocks", "4", "--no-cache", *bad])
     assert loaded == []
 
 

@@ -57,6 +57,8 @@ def parse_peer_settings(spec: str | None, policies: list[str]) -> dict[str, floa
             continue
         name, sep, value = part.partition("=")
         name = name.strip()
+        if name in out:
+            raise SystemExit(f"--peer-settings: {name} is set twice")
         if not sep or name not in PEERS:
             raise SystemExit(f"--peer-settings takes PEER=VALUE pairs with PEER one of {', '.join(PEERS)}; got {part!r}")
         knob = PEERS[name].knob
@@ -88,8 +90,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     tag_swap = None
     if args.tag_swap:
         parts = args.tag_swap.split(",")
-        if len(parts) != 2 or not all(parts):
-            raise SystemExit("--tag-swap takes two tags: A,B")
+        if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
+            raise SystemExit("--tag-swap takes two different tags: A,B")
         tag_swap = (parts[0], parts[1])
     controller_config = None
     if "wa-online" in policies:
@@ -230,6 +232,8 @@ def check_outputs(json_path: str | None, plot_path: str | None) -> None:
     """Refuse before a sweep, not after it, when its results could not be written."""
     for path in (json_path, plot_path):
         if path:
+            if os.path.isdir(path) or path.endswith(os.sep):
+                raise SystemExit(f"cannot write {path}: it names a directory, not a file")
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 raise SystemExit(f"cannot write {path}: {folder} is not a writable directory")
