@@ -543,6 +543,28 @@ def test_past_the_finest_class_cap_new_classes_keep_their_tag_and_outcome(monkey
     assert FeatureKey(("tag", "outcome")).name_of(c._fine[folded]) == "fresh.o:tool"
 
 
+def test_a_drift_forgets_lookups_in_every_key_that_counts_them():
+    """A drift scales a finest class's lookups down; a key's class never
+    counts more lookups than its finest classes still hold."""
+    sink = EventSink(capacity=1 << 20)
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: 0.0)
+    t = 0.0
+    for r in range(40):
+        req = RequestTags(f"r{r}", "chat", "stop")
+        hashes = [("b", r, j) for j in range(4)]
+        for j, h in enumerate(hashes):
+            sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, 0))
+        t += 5.0
+        sink.emit(LookupEvent(EventKind.LOOKUP, t, f"n{r}", "chat", tuple(hashes), ()))
+        t += 1.0
+    c.process(sink.drain())
+    key = FeatureKey(("tag", "outcome"))
+    assert c._class_data(key, None)["chat.o:stop"].groups == 40.0
+    (fid,) = range(len(c._fine))
+    c.estimators[fid].data.decay(0.25)  # what a drift does to the finest class
+    assert c._class_data(key, None)["chat.o:stop"].groups == 10.0
+
+
 def test_pin_and_unpin():
     sink = EventSink()
     applied = Applied()
@@ -712,6 +734,15 @@ def test_fit_model_families():
     assert fit_model(SurvivalData(), "exponential") is None
     with pytest.raises(ValueError):
         fit_model(d, "weibull")
+
+
+def test_chain_sampled_miniature_caches_are_sized_by_the_chain_rate_whatever_the_watch_rate():
+    cache_blocks = 100_000
+    for rate in (None, 0.01, 0.5):
+        cfg = ControllerConfig(shadow_blocks=4096, sample_rate=rate, shadow_sampling="chain")
+        sink = EventSink(capacity=10, sample_rate=rate or 4096 / cache_blocks, chain_rate=4096 / cache_blocks)
+        c = WAController(cfg, cache_blocks, Applied(), sink, clock=lambda: 0.0)
+        assert c.shadow_blocks == 4096, rate
 
 
 @pytest.mark.parametrize("sample_rate", [None, 1.0, 0.2, 0.01])

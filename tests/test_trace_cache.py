@@ -60,3 +60,14 @@ def test_the_cache_keeps_only_the_most_recently_used_parses(parses, monkeypatch,
     trace_cache.load_trace_cached(MOONCAKE, cut=300.0)  # kept
     trace_cache.load_trace_cached(MOONCAKE, cut=100.0)  # pruned: parsed again
     assert len(parses) == 4
+
+
+def test_a_cache_it_may_not_touch_is_still_read(parses, monkeypatch):
+    trace_cache.load_trace_cached(MOONCAKE)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(trace_cache.os, "utime", refuse)
+    assert trace_cache.load_trace_cached(MOONCAKE).requests
+    assert len(parses) == 1

@@ -182,7 +182,10 @@ class WAController:
         self._chain = sink.chain_rate is not None
         # The miniature caches' sample is nested in the watched one (the hashes
         # whose sample value is below a smaller threshold), and sized by it.
-        shadow_rate = min(rate, sample_rate_for(cache_blocks, config.shadow_blocks))
+        # (Chain sampling feeds them whole conversations at the sink's chain rate instead.)
+        shadow_rate = sample_rate_for(cache_blocks, config.shadow_blocks)
+        if not self._chain:
+            shadow_rate = min(rate, shadow_rate)
         self._shadow_threshold = int(shadow_rate * (1 << 64)) if shadow_rate < rate else 1 << 64
         self.shadow_blocks = max(2, int(round(cache_blocks * shadow_rate)))
         self.candidates: dict[str, Candidate] = {}
@@ -295,6 +298,7 @@ class WAController:
             elif kind == EventKind.EVICTED:
                 tracker.evicted(ev.block_hash, ev.time)
             elif kind == EventKind.LOOKUP:
+                self._found.clear()  # what a failed lookup left is not this one's
                 tracker.looked_up(ev.hashes, ev.time)
                 if self._found:
                     self._count_lookup(self._found)
@@ -426,7 +430,9 @@ class WAController:
         counted = self._labels.get(key) if isinstance(key, FeatureKey) else None
         if counted is not None:
             for d, g in zip(data, counted[3]):
-                d.groups = g
+                # At most the finest classes' sum: a drift forgets a finest
+                # class's lookups, which this key's count cannot single out.
+                d.groups = min(g, d.groups)
         return dict(zip(names, data))
 
     def _learn_key(self, cand: Candidate, at_risk: AtRisk) -> dict[str, SurvivalData]:

@@ -223,7 +223,7 @@ def _finish(
             raise TraceFormatError(
                 path,
                 f"request {r.request_id} (at {r.arrival:g} s) breaks the prefix rule: one of its hash ids "
-                "repeats in it or follows another id than where it first appeared (--skip-bad skips such requests)",
+                "repeats in it or follows another id than most of its appearances do (--skip-bad skips such requests)",
             )
         drop = set(bad.tolist())
         reqs = [r for i, r in enumerate(reqs) if i not in drop]

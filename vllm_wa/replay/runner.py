@@ -468,7 +468,8 @@ def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
         else:
             sizes.append(value)
         if ceiling is None:
-            ceiling = trace.unique_blocks() + len(trace.requests) + 2
+            # A served trace's replies hold KV of their own: no ceiling from the prompts.
+            ceiling = math.inf if trace.fmt == "served" else trace.unique_blocks() + len(trace.requests) + 2
         if sizes[-1] > ceiling:
             raise ValueError(
                 f"--cache-blocks: {sizes[-1]} blocks is more than this trace can fill ({ceiling}: every unique "

@@ -11,17 +11,19 @@ import pickle
 from dataclasses import asdict
 from typing import Any
 
+from vllm_wa import fileio, validation
 from vllm_wa.fileio import atomic_write
-from vllm_wa.replay import loaders, served
+from vllm_wa.replay import lifetime, loaders, served
 from vllm_wa.replay import trace as trace_module
 from vllm_wa.replay.loaders import AgenticOptions, load_trace
 from vllm_wa.replay.trace import Trace
+from vllm_wa.sim import token_ids
 
 logger = logging.getLogger(__name__)
 CACHE_VERSION = 3
 # Parsed traces kept, most recently used first (the agentic split's is 340 MB).
 MAX_ENTRIES = 8
-_PARSERS = (loaders, trace_module, served)
+_PARSERS = (loaders, trace_module, served, lifetime, token_ids, validation, fileio)
 
 
 @functools.cache
@@ -71,7 +73,8 @@ def load_trace_cached(
         with open(file, "rb") as f:
             trace = pickle.load(f)
         if isinstance(trace, Trace):
-            os.utime(file)  # recently used: pruned last
+            with contextlib.suppress(OSError):  # a cache another user owns is still read
+                os.utime(file)  # recently used: pruned last
             return trace
     except Exception:  # noqa: BLE001 - any unreadable entry (another Python's pickle, a torn file) is parsed again
         pass
