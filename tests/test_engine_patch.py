@@ -11,7 +11,7 @@ import pytest
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.request import RequestStatus
 
-from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue
+from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue, block_tagger
 from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.install import (
@@ -283,6 +283,35 @@ def test_reclassify_moves_a_finished_requests_free_blocks(clock):
     finish(m, r3)
     assert h.queue.free_blocks_by_class()["chat.tool"] == 4
     assert h.tagger.reclassify("unknown-request", "tool") == 0
+
+
+def test_late_outcomes_keep_a_bounded_number_of_reported_blocks(clock, monkeypatch):
+    """What the OUTCOME event carries is kept for the newest releases only, in all
+    at most MAX_REPORTED_BLOCKS: a late report on an older one still moves the
+    live queue's blocks, and tells the controller nothing to move."""
+    class OutcomeKey:
+        uses_block_features = False
+
+        def __call__(self, req, position, reuse_count):
+            return f"{req.tag}.{req.outcome or 'unknown'}"
+
+    monkeypatch.setattr(block_tagger, "MAX_REPORTED_BLOCKS", 5)
+    m = make_manager(40)
+    sink = EventSink(capacity=1000)
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink, class_key=OutcomeKey())
+    for i in range(3):
+        r = make_request(f"r{i}", tokens(1000 * i, 3, 1), tag="chat")
+        run_prefill(m, r)
+        clock.advance(1)
+        finish(m, r)
+    sink.drain()
+    assert h.tagger._reported_blocks == 3
+    for rid in ("r0", "r1", "r2"):
+        assert h.tagger.reclassify(rid, "tool") == 3
+    outcomes = {e.request.request_id: e.blocks for e in sink.drain() if e.kind == EventKind.OUTCOME}
+    assert outcomes["r0"] == outcomes["r1"] == ()
+    assert [pos for pos, _, _ in outcomes["r2"]] == [0, 1, 2]
+    uninstall_wa_queue(m.block_pool)
 
 
 def test_wa_params_change_eviction_order_in_the_pool(clock):

@@ -14,7 +14,7 @@ per-request events are emitted.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
@@ -48,6 +48,10 @@ ENGINE_FINAL_OUTCOMES = ("abort", "error")
 # Requests whose tags are remembered until they finish (each is counted once);
 # past this many unfinished requests the oldest is forgotten.
 MAX_LIVE_REQUESTS = 1 << 16
+# Reported blocks (about 100 bytes each) the remembered releases keep for late
+# outcomes, all together; past it the oldest releases' are dropped (a late
+# outcome then refiles the live queue's blocks but not the controller's view).
+MAX_REPORTED_BLOCKS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,9 @@ class BlockTagger:
         self.queried_blocks_by_tag = [0] * self.tags.max_classes
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
         self._remember = max(0, int(remember_finished))
+        # Remembered releases that keep reported blocks, oldest first, and how many they keep.
+        self._reporting: deque[_FreedRequest] = deque()
+        self._reported_blocks = 0
         self.reclassified_requests = 0
 
     # ---- tags ----------------------------------------------------------------------
@@ -380,7 +387,15 @@ class BlockTagger:
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
-        recs.append(_FreedRequest(req, serial, ids, now, reported))
+        rec = _FreedRequest(req, serial, ids, now, reported)
+        recs.append(rec)
+        if reported:
+            self._reporting.append(rec)
+            self._reported_blocks += len(reported)
+            while self._reported_blocks > MAX_REPORTED_BLOCKS:
+                old = self._reporting.popleft()
+                self._reported_blocks -= len(old.reported)
+                old.reported = ()
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
