@@ -59,6 +59,7 @@ class ShadowCache:
         self.overflow = 0
         self._tags: dict[str, str] = {}
         self._since: dict[str, float] = {}  # request -> when it was admitted
+        self._remembering = False  # keeps released requests for late outcomes (from the first one on)
 
     def _make_queue(self, blocks: list) -> Any:
         if self.spec.lru:
@@ -66,8 +67,10 @@ class ShadowCache:
         else:
             self.queue = WorkloadAwareFreeQueue(blocks, None, clock=self.clock, registry=self.registry)
             # It is told each request's outcome at its release, and a late one
-            # (OUTCOME events) for the requests it remembers.
-            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key, remember_finished=REMEMBER_FINISHED)
+            # (OUTCOME events) for the requests it remembers: it starts keeping
+            # them at the first (a replay, which tells outcomes at the release,
+            # never pays for the records).
+            self.tagger = BlockTagger(self.queue, blocks, class_key=self.key, remember_finished=0)
         return self.queue
 
     def set_key(self, key: ClassKey) -> None:
@@ -114,6 +117,9 @@ class ShadowCache:
         """A request it released got a late outcome in the engine: refile its blocks here too."""
         if self.tagger is not None and request.outcome is not None:
             self.clock.t = t
+            if not self._remembering:
+                self._remembering = True
+                self.tagger.remember_finished(REMEMBER_FINISHED)
             self.tagger.reclassify(request.request_id, request.outcome, pending=False)
 
     def expire(self, now: float, max_hold_s: float) -> int:

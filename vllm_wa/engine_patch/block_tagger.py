@@ -219,6 +219,10 @@ class BlockTagger:
             self.hit_blocks_by_tag[tid] = self.queried_blocks_by_tag[tid] = 0
         self.queue.retire_idle_classes(now)
 
+    def remember_finished(self, n: int) -> None:
+        """From now on keep the last ``n`` releases for late facts (0: none)."""
+        self._remember = max(0, int(n))
+
     def set_class_key(self, class_key: ClassKeyFunction) -> None:
         """Swap the class-key function (takes effect at the next free)."""
         self.class_key = class_key
