@@ -505,22 +505,29 @@ def test_miniature_caches_retire_idle_classes_as_the_live_queue_does():
     assert "tag99" in sc.queue.free_blocks_by_class()
 
 
-def test_a_lookup_is_one_observation_per_class_of_each_key_however_many_finest_classes_it_spans():
-    """The class test scales its statistic by lookups per reused block: a
-    lookup whose blocks fall in four reuse buckets is one lookup of the
-    tag+outcome class, not four."""
+def controller_after_lookups(lookups: int, reuse_counts: tuple[int, ...]) -> WAController:
+    """Each lookup brings back one request's blocks, freed with these reuse counts."""
     sink = EventSink(capacity=1 << 20)
     c = WAController(small_config(), 200, Applied(), sink, clock=lambda: 0.0)
     t = 0.0
-    for r in range(20):
+    for r in range(lookups):
         req = RequestTags(f"r{r}", "chat", "stop")
-        hashes = [("b", r, j) for j in range(8)]
-        for j, h in enumerate(hashes):  # a shared prefix: earlier blocks were reused more often
-            sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, (5, 5, 3, 3, 2, 1, 0, 0)[j]))
+        hashes = [("b", r, j) for j in range(len(reuse_counts))]
+        for j, h in enumerate(hashes):
+            sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, reuse_counts[j]))
         t += 5.0
         sink.emit(LookupEvent(EventKind.LOOKUP, t, f"n{r}", "chat", tuple(hashes), ()))
         t += 1.0
     c.process(sink.drain())
+    return c
+
+
+def test_a_lookup_is_one_observation_per_class_of_each_key_however_many_finest_classes_it_spans():
+    """The class test scales its statistic by lookups per reused block: a
+    lookup whose blocks fall in four reuse buckets is one lookup of the
+    tag+outcome class, not four."""
+    # A shared prefix: earlier blocks were reused more often.
+    c = controller_after_lookups(20, (5, 5, 3, 3, 2, 1, 0, 0))
     coarse = c._class_data(FeatureKey(("tag", "outcome")), None)["chat.o:stop"]
     assert (coarse.groups, coarse.n_events) == (20.0, 160.0)
     by_reuse = c._class_data(FeatureKey(("tag", "outcome", "reuse")), None)
@@ -546,18 +553,7 @@ def test_past_the_finest_class_cap_new_classes_keep_their_tag_and_outcome(monkey
 def test_a_drift_forgets_lookups_in_every_key_that_counts_them():
     """A drift scales a finest class's lookups down; a key's class never
     counts more lookups than its finest classes still hold."""
-    sink = EventSink(capacity=1 << 20)
-    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: 0.0)
-    t = 0.0
-    for r in range(40):
-        req = RequestTags(f"r{r}", "chat", "stop")
-        hashes = [("b", r, j) for j in range(4)]
-        for j, h in enumerate(hashes):
-            sink.emit(FreedEvent(EventKind.FREED, t, h, req, j, 0))
-        t += 5.0
-        sink.emit(LookupEvent(EventKind.LOOKUP, t, f"n{r}", "chat", tuple(hashes), ()))
-        t += 1.0
-    c.process(sink.drain())
+    c = controller_after_lookups(40, (0, 0, 0, 0))
     key = FeatureKey(("tag", "outcome"))
     assert c._class_data(key, None)["chat.o:stop"].groups == 40.0
     (fid,) = range(len(c._fine))
