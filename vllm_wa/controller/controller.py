@@ -302,7 +302,6 @@ class WAController:
                 tracker.looked_up(ev.hashes, ev.time)
                 if self._found:
                     self._count_lookup(self._found)
-                    self._found.clear()
                 hs = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
                     # The same sampled request in every miniature cache: paired evidence.

@@ -59,7 +59,6 @@ class ShadowCache:
         self.overflow = 0
         self._tags: dict[str, str] = {}
         self._since: dict[str, float] = {}  # request -> when it was admitted
-        self._remembering = False  # keeps released requests for late outcomes (from the first one on)
 
     def _make_queue(self, blocks: list) -> Any:
         if self.spec.lru:
@@ -117,9 +116,7 @@ class ShadowCache:
         """A request it released got a late outcome in the engine: refile its blocks here too."""
         if self.tagger is not None and request.outcome is not None:
             self.clock.t = t
-            if not self._remembering:
-                self._remembering = True
-                self.tagger.remember_finished(REMEMBER_FINISHED)
+            self.tagger.remember_finished(REMEMBER_FINISHED)  # from the first late outcome on
             self.tagger.reclassify(request.request_id, request.outcome, pending=False)
 
     def expire(self, now: float, max_hold_s: float) -> int:

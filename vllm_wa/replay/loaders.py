@@ -160,7 +160,8 @@ def _float_field(rec: dict, key: str) -> float:
     return check_number(f"field {key!r}", rec.get(key), ge=0)
 
 
-def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0) -> array:
+def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0, blocks_for: tuple[int, int] | None = None) -> array:
+    """The record's block ids; ``blocks_for`` = (input tokens, block size): there must be one id per block."""
     v = rec.get(key)
     if not isinstance(v, list) or not v:
         raise ValueError(f"field {key!r} must be a non-empty list of integers")
@@ -170,6 +171,10 @@ def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0) -> array:
         raise ValueError(f"field {key!r} must hold integers: {e}") from None
     if min(out) < 0:
         raise ValueError(f"field {key!r} holds a negative id")
+    if blocks_for is not None:
+        n_in, block = blocks_for
+        if len(out) != math.ceil(n_in / block):
+            raise ValueError(f"len({key})={len(out)} but ceil(input_length/{block})={math.ceil(n_in / block)}")
     if offset:
         if max(out) >= _NAMESPACE:
             raise ValueError(f"field {key!r} holds an id of 2**40 or more (ids are namespaced per conversation above it)")
@@ -282,11 +287,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
             if not isinstance(typ, str) or not typ:
                 raise ValueError(f"field 'type' must be a non-empty string, got {typ!r}")
             turn = _int_field(rec, "turn", lo=0)
-            hashes = _hash_ids(rec)
-            if len(hashes) != math.ceil(n_in / BAILIAN_BLOCK):
-                raise ValueError(
-                    f"len(hash_ids)={len(hashes)} but ceil(input_length/16)={math.ceil(n_in / BAILIAN_BLOCK)}"
-                )
+            hashes = _hash_ids(rec, blocks_for=(n_in, BAILIAN_BLOCK))
             if chat in seen:
                 raise ValueError(f"chat_id {chat} appears twice (it names one request)")
         except (ValueError, RecursionError) as e:
@@ -330,11 +331,7 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
             ts = _float_field(rec, "timestamp") / 1000.0
             n_in = _int_field(rec, "input_length", lo=1)
             n_out = _int_field(rec, "output_length")
-            hashes = _hash_ids(rec)
-            if len(hashes) != math.ceil(n_in / MOONCAKE_BLOCK):
-                raise ValueError(
-                    f"len(hash_ids)={len(hashes)} but ceil(input_length/{MOONCAKE_BLOCK})={math.ceil(n_in / MOONCAKE_BLOCK)}"
-                )
+            hashes = _hash_ids(rec, blocks_for=(n_in, MOONCAKE_BLOCK))
         except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1

@@ -105,6 +105,11 @@ def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
     return trace.with_requests(out)
 
 
+def unbounded_blocks(trace: Trace) -> int:
+    """A pool that never evicts on ``trace``: every unique block plus one per request."""
+    return trace.unique_blocks() + len(trace.requests) + 2
+
+
 def run_one(
     trace: Trace,
     policy: ReplayPolicy,
@@ -116,7 +121,7 @@ def run_one(
     """Replay ``trace`` through ``policy`` in a pool of ``num_blocks`` blocks."""
     clock = SettableClock(trace.start)
     if policy.unbounded:
-        num_blocks = trace.unique_blocks() + len(trace.requests) + 2
+        num_blocks = unbounded_blocks(trace)
     engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
     res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
     win = cfg.window_seconds
@@ -459,7 +464,8 @@ def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
     """
     sizes = []
     unique = None
-    ceiling = None
+    # A served trace's replies hold KV of their own: no ceiling from the prompts.
+    ceiling = math.inf if trace.fmt == "served" else unbounded_blocks(trace)
     for kind, value in parse_sizes(spec):
         if kind == "percent":
             if unique is None:
@@ -467,9 +473,6 @@ def resolve_sizes(spec: str, trace: Trace, eval_start: float) -> list[int]:
             sizes.append(max(2, int(math.ceil(unique * value / 100.0))))
         else:
             sizes.append(value)
-        if ceiling is None:
-            # A served trace's replies hold KV of their own: no ceiling from the prompts.
-            ceiling = math.inf if trace.fmt == "served" else trace.unique_blocks() + len(trace.requests) + 2
         if sizes[-1] > ceiling:
             raise ValueError(
                 f"--cache-blocks: {sizes[-1]} blocks is more than this trace can fill ({ceiling}: every unique "
