@@ -8,11 +8,13 @@ import sys
 from types import ModuleType
 
 import pytest
+import torch
 from hypothesis import settings
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_wa.sim.clock import SettableClock
@@ -48,6 +50,26 @@ def clock() -> SettableClock:
 
 def make_manager(num_blocks: int, block_size: int = 16, **kwargs) -> KVCacheManager:
     return model_free_kv_cache_manager(num_blocks, block_size, max_model_len=8192, **kwargs)
+
+
+def make_hybrid_manager(num_blocks: int, block_size: int = 16, sliding_window: int = 32) -> KVCacheManager:
+    """A hybrid model's manager: one full-attention and one sliding-window KV-cache group."""
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)),
+            KVCacheGroupSpec(
+                ["swa"],
+                SlidingWindowSpec(
+                    block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
+                ),
+            ),
+        ],
+    )
+    return KVCacheManager(
+        config, max_model_len=8192, scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=True
+    )
 
 
 def make_request(

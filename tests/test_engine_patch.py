@@ -23,7 +23,7 @@ from vllm_wa.engine_patch.install import (
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
 from vllm_wa.workload_classes import ClassRegistry
 
-from conftest import finish, make_manager, make_request, run_prefill
+from conftest import finish, make_hybrid_manager, make_manager, make_request, run_prefill
 
 BS = 16
 
@@ -283,6 +283,58 @@ def test_reclassify_moves_a_finished_requests_free_blocks(clock):
     finish(m, r3)
     assert h.queue.free_blocks_by_class()["chat.tool"] == 4
     assert h.tagger.reclassify("unknown-request", "tool") == 0
+
+
+def test_a_hybrid_models_further_kv_group_is_filed_and_refiled_but_reports_no_events(clock):
+    """Lookups report the first KV-cache group's hashes only: a FREED event
+    for another group's block could never be matched by a reuse (a censored
+    observation only, pulling every reuse model down). Its blocks take the
+    request's class, and a late outcome moves them with the first group's."""
+
+    class OutcomeKey:
+        uses_block_features = False
+
+        def __call__(self, req, position, reuse_count):
+            return f"{req.tag}.{req.outcome or 'unknown'}"
+
+    m = make_hybrid_manager(60, BS)
+    # Hash-sampled events (with every block sampled, every eviction is reported).
+    sink = EventSink(capacity=1000, sample_rate=0.5)
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink, class_key=OutcomeKey())
+    r1 = make_request("r1", tokens(0, 4, 1), tag="chat")
+    run_prefill(m, r1)
+    groups = m.coordinator.get_blocks("r1")
+    assert len(groups) == 2 and all(groups)
+    clock.advance(1)
+    finish(m, r1)
+    events = sink.drain()
+    freed = [e.block_hash for e in events if e.kind == EventKind.FREED]
+    assert 0 < len(freed) <= 4  # the first group's 4 full blocks, sampled
+    assert [e.kind for e in events][-1] == EventKind.FINISHED
+    both = h.queue.free_blocks_by_class()["chat.stop"]
+    assert both > 4  # the sliding-window group's blocks are filed too
+    # A late outcome moves every group's blocks.
+    assert h.tagger.reclassify("r1", "tool") == both
+    assert h.queue.free_blocks_by_class() == {"chat.tool": both}
+    h.queue.check_invariants()
+    # The same prompt again: every FREED hash is among the lookup's (each one a seen reuse).
+    r2 = make_request("r2", tokens(0, 4, 1), tag="chat")
+    assert run_prefill(m, r2) == 4 * BS
+    looked = [e for e in sink.drain() if e.kind == EventKind.LOOKUP]
+    assert set(freed) <= set(looked[-1].hashes)
+    # Evictions: an EVICTED event only for a block whose free was reported.
+    finish(m, r2)
+    for i in range(40):  # every block id serves both groups in turn
+        r = make_request(f"fill{i}", tokens(10_000 * (i + 1), 5, 1), tag="chat")
+        run_prefill(m, r)
+        clock.advance(1)
+        finish(m, r)
+    events = sink.drain()
+    reported = set(freed) | {e.block_hash for e in events if e.kind == EventKind.FREED}
+    evicted = [e.block_hash for e in events if e.kind == EventKind.EVICTED]
+    assert len(evicted) >= 4
+    assert set(evicted) <= reported
+    uninstall_wa_queue(m.block_pool)
 
 
 def test_late_outcomes_keep_a_bounded_number_of_reported_blocks(clock, monkeypatch):

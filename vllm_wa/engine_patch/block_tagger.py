@@ -94,7 +94,9 @@ class TagClassKey:
 class _FreedRequest:
     tags: RequestTags
     serial: int
-    block_ids: list[int]
+    # The freed blocks' ids, one list per KV-cache group (hybrid models have
+    # several), each in prompt order: a late outcome refiles them all.
+    block_ids: list[list[int]]
     freed_at: float
     # (position, hash, reuse count) of the blocks reported in FREED events:
     # a late outcome moves their observations too (OutcomeEvent).
@@ -340,12 +342,23 @@ class BlockTagger:
         return look.at if look is not None else None
 
     def on_free(
-        self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float | None = None, *, finished: bool = True
+        self,
+        req: RequestTags,
+        blocks: Sequence[KVCacheBlock],
+        now: float | None = None,
+        *,
+        finished: bool = True,
+        extra_groups: Sequence[Sequence[KVCacheBlock]] = (),
     ) -> None:
         """``blocks`` (in allocation order) are about to be released by ``req``.
 
         ``finished`` is False for a preempted request: it will be looked up
-        again and keeps its (counted) tag and its lookup.
+        again and keeps its (counted) tag and its lookup.  ``extra_groups``:
+        the blocks of further KV-cache groups (hybrid models).  They take the
+        same classes and move with a late outcome, but report no FREED
+        events: lookups report the first group's hashes only, so an extra
+        group's block would never be seen reused, and its events would be
+        censored observations that pull every class's reuse model down.
         """
         rid = req.request_id
         look = self._looked_up.pop(rid, None)
@@ -366,28 +379,32 @@ class BlockTagger:
             self.reclassified_requests += 1
         if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
-        reported = self.file_blocks(req, blocks, now, started=look.at if look is not None else None)
+        started = look.at if look is not None else None
+        reported = self.file_blocks(req, blocks, now, started=started)
+        for group in extra_groups:
+            self.file_blocks(req, group, now, started=started, report=False)
         if not finished:
             # Preempted: the request goes on. A late outcome waits for its real
             # release, and consumers (the miniature caches) still hold it.
             return
         if self._remember:
-            self._remember_freed(key, req, blocks, now, reported)
+            self._remember_freed(key, req, [blocks, *extra_groups], now, reported)
         if look is not None and look.timing is not None and self.conversations is not None:
             self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
 
     def _remember_freed(
-        self, key: str, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float, reported: tuple
+        self, key: str, req: RequestTags, groups: Sequence[Sequence[KVCacheBlock]], now: float, reported: tuple
     ) -> None:
-        """Keep which blocks ``req`` freed (and reported), so a late outcome can refile them."""
+        """Keep which blocks ``req`` freed in each KV-cache group (and reported), so a late outcome can refile them."""
         self._serial += 1
         serial = self._serial
         owner = self._owner
-        ids = [b.block_id for b in blocks if not b.is_null]
-        for bid in ids:
-            owner[bid] = serial
+        ids = [[b.block_id for b in blocks if not b.is_null] for blocks in groups]
+        for group in ids:
+            for bid in group:
+                owner[bid] = serial
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
@@ -410,6 +427,8 @@ class BlockTagger:
         blocks: Sequence[KVCacheBlock],
         now: float | None = None,
         started: float | None = None,
+        *,
+        report: bool = True,
     ) -> tuple[tuple[int, Any, int], ...]:
         """Write the class (and sampling flag) each block is freed into.
 
@@ -417,7 +436,9 @@ class BlockTagger:
         ``now``); a queue that stamps at the lookup stamps each block with
         the latest such start of the requests that held it.  Returns the
         ``(position, hash, reuse count)`` of the blocks reported in FREED
-        events when late facts can reach this tagger (else ``()``).
+        events when late facts can reach this tagger (else ``()``).  With
+        ``report`` False (a hybrid model's further KV-cache groups) the
+        blocks make no events: no FREED now and, under hash sampling, no EVICTED later.
         """
         queue = self.queue
         cls_of = queue.block_class
@@ -456,6 +477,13 @@ class BlockTagger:
         if over_cap:
             self.releases_over_class_cap += 1
         if sink is None:
+            return ()
+        if not report:
+            sampled, flagged = queue.sampled, self._flagged_hash
+            for b in blocks:
+                # Flagged as not sampled under the hash it holds, until it holds another.
+                flagged[b.block_id] = b._block_hash
+                sampled[b.block_id] = 0
             return ()
         return self._emit_freed(req, blocks, now, [] if self._remember else None)
 
@@ -544,16 +572,17 @@ class BlockTagger:
         now = queue.clock()
         reg_id = queue.registry.id_of
         by_class: dict[int, list[KVCacheBlock]] = {}
-        for pos, bid in enumerate(rec.block_ids):
-            if owner[bid] != rec.serial:
-                continue
-            b = blocks[bid]
-            cid = reg_id(key(req, pos, self.reuse_count[bid]), now)
-            if b.next_free_block is None:
-                # Still held (a deferred free): it is filed at its release.
-                queue.block_class[bid] = cid
-            else:
-                by_class.setdefault(cid, []).append(b)
+        for group in rec.block_ids:
+            for pos, bid in enumerate(group):
+                if owner[bid] != rec.serial:
+                    continue
+                b = blocks[bid]
+                cid = reg_id(key(req, pos, self.reuse_count[bid]), now)
+                if b.next_free_block is None:
+                    # Still held (a deferred free): it is filed at its release.
+                    queue.block_class[bid] = cid
+                else:
+                    by_class.setdefault(cid, []).append(b)
         moved = 0
         for cid, bs in by_class.items():
             # Refile in free order (oldest first) so scans from the tail stay short.

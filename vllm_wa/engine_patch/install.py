@@ -109,10 +109,7 @@ class WAHandle:
             self.tagger.forget(request.request_id)
             return
         tags = self.request_tags(request, finished=True)
-        started = self.tagger.started_at(request.request_id)
-        self.tagger.on_free(tags, groups[0], finished=request.is_finished())
-        for extra_group in groups[1:]:
-            self.tagger.file_blocks(tags, extra_group, started=started)
+        self.tagger.on_free(tags, groups[0], finished=request.is_finished(), extra_groups=groups[1:])
 
 
 def get_wa_handle(block_pool: Any) -> WAHandle | None:
