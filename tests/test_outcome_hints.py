@@ -5,6 +5,16 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from prometheus_client import REGISTRY
+
+
+def hint_counts() -> tuple[float, float]:
+    """``vllm_wa_api_outcome_hints_total`` as /metrics shows it: (applied, ignored)."""
+    def value(result: str) -> float:
+        return REGISTRY.get_sample_value("vllm_wa_api_outcome_hints_total", {"result": result}) or 0.0
+
+    return value("applied"), value("ignored")
+
 
 def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(monkeypatch):
     from vllm.entrypoints.serve.engine.serving import BaseServing
@@ -36,10 +46,12 @@ def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(m
     batch = SimpleNamespace(request_id="two", prompt=[[1], [2]], vllm_xargs={"wa_outcome": "stop"})
     assert outcome_hints.completion_keys("two", batch) == ["cmpl-two-0", "cmpl-two-1"]
     sent.clear()
-    before = outcome_hints.COUNTERS.ignored
+    before = hint_counts()
     bad = SimpleNamespace(request_id="b", prompt=[1], vllm_xargs={"wa_outcome": "abort"})
     asyncio.run(wrapped(serving, bad, None))
-    assert sent == [("request", "b")] and outcome_hints.COUNTERS.ignored == before + 1
+    assert sent == [("request", "b")] and hint_counts() == (before[0], before[1] + 1)
+    asyncio.run(wrapped(serving, ok, None))
+    assert hint_counts() == (before[0] + 1, before[1] + 1)
     # Without --wa-online nothing reports: the hint is just ignored.
     monkeypatch.setattr(api_side, "_REPORTER", None)
     sent.clear()

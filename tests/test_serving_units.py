@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import finish, make_manager, make_request, run_prefill
+from prometheus_client import REGISTRY
 from vllm.v1.request import RequestStatus
 
 from vllm_wa.controller.config import ControllerConfig
@@ -95,6 +96,14 @@ def run_reporter_until(reporter, done) -> None:
     asyncio.run(loop())
 
 
+def report_counts() -> tuple[float, float]:
+    """``vllm_wa_api_outcome_reports_total`` as /metrics shows it: (sent, dropped)."""
+    def value(result: str) -> float:
+        return REGISTRY.get_sample_value("vllm_wa_api_outcome_reports_total", {"result": result}) or 0.0
+
+    return value("sent"), value("dropped")
+
+
 def test_lost_outcome_reports_are_counted(monkeypatch):
     """The API server's buffer when full, and a batch the engines refuse: counted, not silent."""
     monkeypatch.setattr(api_side, "MAX_PENDING_REPORTS", 2)
@@ -105,6 +114,7 @@ def test_lost_outcome_reports_are_counted(monkeypatch):
             async def call_utility_all_async(method, *args):
                 raise RuntimeError("engine gone")
 
+    before = report_counts()
     reporter = api_side.OutcomeReporter(engine_client=Refusing(), flush_interval=0.0)
     for i in range(3):
         reporter.report(f"chatcmpl-{i}", "tool")
@@ -114,6 +124,8 @@ def test_lost_outcome_reports_are_counted(monkeypatch):
     assert reporter.dropped == 3 and reporter.reported == 0
     monkeypatch.setattr(api_side, "_REPORTER", reporter)
     assert api_side.api_state() == {"outcome_reports_sent": 0, "outcome_reports_dropped": 3}
+    # And on /metrics, as counters (each loss counted once).
+    assert report_counts() == (before[0], before[1] + 3)
 
 
 def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
@@ -127,12 +139,14 @@ def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
             async def call_utility_all_async(method, items):
                 calls.append(len(items))
 
+    before = report_counts()
     reporter = api_side.OutcomeReporter(engine_client=Engines(), flush_interval=0.0)
     for i in range(7):
         reporter.report(f"chatcmpl-{i}", "tool")
 
     run_reporter_until(reporter, lambda: reporter.reported == 7)
     assert calls == [3, 3, 1] and reporter.dropped == 0
+    assert report_counts() == (before[0] + 7, before[1])
 
 
 def test_outcome_reports_reclassify_engine_blocks():

@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from vllm_wa.serving import metrics
+from vllm_wa.serving.api_metrics import api_counters
 from vllm_wa.serving.params_api import make_router
 from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
 from vllm_wa.serving.shared_metrics import SharedCopies
@@ -65,12 +66,17 @@ class OutcomeReporter:
         if not self.dropped:
             logger.warning("vllm-wa: outcome reports lost (%s); counting further losses silently", why)
         self.dropped += n
+        api_counters().reports_dropped.inc(n)
+
+    def _sent(self, n: int) -> None:
+        self.reported += n
+        api_counters().reports_sent.inc(n)
 
     async def report_now(self, items: list[list[str]]) -> None:
         """Send facts at once, not in the next batch: a benchmark outcome hint
         must reach the engine before its request does (see ``outcome_hints``)."""
         await call_engines(self.engine_client, "wa_report_outcomes", items)
-        self.reported += len(items)
+        self._sent(len(items))
 
     async def run(self) -> None:
         while True:
@@ -81,7 +87,7 @@ class OutcomeReporter:
             del self._pending[:MAX_OUTCOME_REPORTS_PER_CALL]
             try:
                 await call_engines(self.engine_client, "wa_report_outcomes", batch)
-                self.reported += len(batch)
+                self._sent(len(batch))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -187,6 +193,7 @@ def install(settings: ServingSettings) -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 
     if _SNAPSHOTS is None:
+        api_counters()  # this API server's own series, from zero
         _SNAPSHOTS = EngineSnapshots(settings.snapshot_max_age_s)
         snapshots = _SNAPSHOTS
         folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -22,27 +22,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_wa.engine_patch.compat import UnsupportedVLLMError
 from vllm_wa.serving import api_side
+from vllm_wa.serving.api_metrics import api_counters
 
 logger = logging.getLogger(__name__)
 HINT_KEY = "wa_outcome"
 HINT_OUTCOMES = ("tool", "stop", "length")
 _MARK = "__vllm_wa_outcome_hints__"
 
-
-@dataclass
-class HintCounters:
-    """Hints delivered to the engines, and hints ignored (bad value, or not delivered)."""
-
-    applied: int = 0
-    ignored: int = 0
-
-
-COUNTERS = HintCounters()
+_warned = False  # a bad hint is logged once, then only counted
 
 
 def hint_of(request: Any) -> str | None:
@@ -53,8 +44,10 @@ def hint_of(request: Any) -> str | None:
     hint = xargs[HINT_KEY]
     if hint in HINT_OUTCOMES:
         return hint
-    COUNTERS.ignored += 1
-    if COUNTERS.ignored == 1:
+    api_counters().hints_ignored.inc()
+    global _warned
+    if not _warned:
+        _warned = True
         logger.warning("vllm-wa: ignoring outcome hint %r (expected one of %s)", hint, HINT_OUTCOMES)
     return None
 
@@ -87,9 +80,9 @@ def _wrap(orig: Any, keys_of: Any) -> Any:
             if keys:
                 try:
                     await reporter.report_now([[k, hint] for k in keys])
-                    COUNTERS.applied += 1
+                    api_counters().hints_applied.inc()
                 except Exception as e:  # noqa: BLE001 - a hint must never fail the request
-                    COUNTERS.ignored += 1
+                    api_counters().hints_ignored.inc()
                     logger.debug("vllm-wa: outcome hint not delivered: %s", e)
         return await orig(self, request, *args, **kwargs)
 
