@@ -231,6 +231,9 @@ def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
         if line.startswith("vllm_wa_evicted_blocks_total{")
     )
     assert evicted > 0
+    # The API server's own counters, from zero (a random model calls no tools).
+    assert 'vllm_wa_api_outcome_reports_total{result="sent"} 0.0' in metrics
+    assert 'vllm_wa_api_outcome_reports_total{result="dropped"} 0.0' in metrics
     # Requests kept being served while parameters were swapped.
     swaps_before = st["swaps"]
     assert send_conversations(url, n_rounds=2) > 0
@@ -482,6 +485,8 @@ def test_data_parallel_engines_each_report_and_take_a_pin(workdir, wa_server, pl
             for eng in ("0", "1"):
                 assert f'vllm_wa_refits_total{{engine="{eng}"}}' in metrics
                 assert f'vllm_wa_params_version{{engine="{eng}"}}' in metrics
+            # The API servers' own counters, summed over them by the multiprocess registry.
+            assert 'vllm_wa_api_outcome_reports_total{result="dropped"}' in metrics
         pin = {"params": {"a": {"agent_1": 0.2}, "p": {"agent_1": 0.9}}, "features": ["tag"]}
         code, body = http("PUT", url + "/wa/params", pin, key=API_KEY)
         assert code == 200, body
