@@ -337,6 +337,67 @@ def test_a_hybrid_models_further_kv_group_is_filed_and_refiled_but_reports_no_ev
     uninstall_wa_queue(m.block_pool)
 
 
+def test_a_late_outcome_moves_only_blocks_that_still_hold_what_the_request_freed(clock):
+    """A block the request freed, evicted since and freed again by a release no
+    late outcome can reach (here a preemption) belongs to someone else now."""
+
+    class OutcomeKey:
+        uses_block_features = False
+
+        def __call__(self, req, position, reuse_count):
+            return f"{req.tag}.{req.outcome or 'unknown'}"
+
+    m = make_manager(6)  # 5 usable blocks
+    h = install_wa_queue(m.block_pool, clock=clock, class_key=OutcomeKey())
+    r1 = make_request("r1", tokens(0, 3, 1), tag="chat")
+    run_prefill(m, r1)
+    mine = set(block_ids_of(m, "r1"))
+    clock.advance(1)
+    finish(m, r1)
+    r2 = make_request("r2", tokens(5000, 4, 0), tag="batch")  # evicts most of r1's blocks
+    run_prefill(m, r2)
+    taken = mine & set(block_ids_of(m, "r2"))
+    assert taken and mine - taken
+    clock.advance(1)
+    finish(m, r2, RequestStatus.PREEMPTED)  # freed, and not a finished release
+    batch = h.queue.free_blocks_by_class()["batch.unknown"]
+    # Only r1's blocks that still hold what it freed move; r2's stay in its class.
+    assert h.tagger.reclassify("r1", "tool") == len(mine - taken)
+    assert h.queue.free_blocks_by_class()["batch.unknown"] == batch
+
+
+def test_a_late_outcome_keeps_each_blocks_position_in_a_sliding_window_group(clock):
+    """A sliding-window group's block list starts with null blocks (prefix hits
+    outside the window): the refile must see each block at the position it was freed at."""
+
+    class DepthOutcomeKey:
+        uses_block_features = True
+
+        def __call__(self, req, position, reuse_count):
+            return f"{req.outcome or 'unknown'}.d{position}"
+
+    m = make_hybrid_manager(60, BS)
+    h = install_wa_queue(m.block_pool, clock=clock, class_key=DepthOutcomeKey())
+    r1 = make_request("r1", tokens(0, 4, 1), tag="chat")
+    run_prefill(m, r1)
+    clock.advance(1)
+    finish(m, r1)
+    r2 = make_request("r2", tokens(0, 6, 1), tag="chat")  # hits r1's 4 blocks
+    assert run_prefill(m, r2) == 4 * BS
+    assert any(b.is_null for b in m.coordinator.get_blocks("r2")[1])
+    clock.advance(1)
+    finish(m, r2)
+    before = h.queue.free_blocks_by_class()
+    assert h.tagger.reclassify("r2", "tool") > 0
+    after = h.queue.free_blocks_by_class()
+    # Only the outcome changed: every block kept its depth.
+    moved = {c.split(".", 1)[1]: n for c, n in after.items() if c.startswith("tool.")}
+    left = {c.split(".", 1)[1]: n for c, n in after.items() if c.startswith("stop.")}
+    was = {c.split(".", 1)[1]: n for c, n in before.items() if c.startswith("stop.")}
+    assert {d: moved.get(d, 0) + left.get(d, 0) for d in was} == was
+    h.queue.check_invariants()
+
+
 def test_late_outcomes_keep_a_bounded_number_of_reported_blocks(clock, monkeypatch):
     """What the OUTCOME event carries is kept for the newest releases only, in all
     at most MAX_REPORTED_BLOCKS: a late report on an older one still moves the

@@ -126,6 +126,10 @@ def test_lost_outcome_reports_are_counted(monkeypatch):
     assert api_side.api_state() == {"outcome_reports_sent": 0, "outcome_reports_dropped": 3}
     # And on /metrics, as counters (each loss counted once).
     assert report_counts() == (before[0], before[1] + 3)
+    # A benchmark hint sent at once, refused: lost too, and the caller hears of it.
+    with pytest.raises(RuntimeError):
+        asyncio.run(reporter.report_now([["chatcmpl-x", "tool"]]))
+    assert reporter.dropped == 4 and report_counts() == (before[0], before[1] + 4)
 
 
 def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):

@@ -95,8 +95,11 @@ class _FreedRequest:
     tags: RequestTags
     serial: int
     # The freed blocks' ids, one list per KV-cache group (hybrid models have
-    # several), each in prompt order: a late outcome refiles them all.
+    # several), each in prompt order (-1 for a null block, so that positions
+    # stay those of the release), and the hash each held: a late outcome
+    # refiles every block that still holds it.
     block_ids: list[list[int]]
+    block_hashes: list[list[Any]]
     freed_at: float
     # (position, hash, reuse count) of the blocks reported in FREED events:
     # a late outcome moves their observations too (OutcomeEvent).
@@ -401,14 +404,16 @@ class BlockTagger:
         self._serial += 1
         serial = self._serial
         owner = self._owner
-        ids = [[b.block_id for b in blocks if not b.is_null] for blocks in groups]
+        ids = [[-1 if b.is_null else b.block_id for b in blocks] for blocks in groups]
         for group in ids:
             for bid in group:
-                owner[bid] = serial
+                if bid >= 0:
+                    owner[bid] = serial
+        hashes = [[b._block_hash for b in blocks] for blocks in groups]
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
             recs = self._finished[key] = []
-        rec = _FreedRequest(req, serial, ids, now, reported)
+        rec = _FreedRequest(req, serial, ids, hashes, now, reported)
         recs.append(rec)
         if reported:
             self._reporting.append(rec)
@@ -572,11 +577,15 @@ class BlockTagger:
         now = queue.clock()
         reg_id = queue.registry.id_of
         by_class: dict[int, list[KVCacheBlock]] = {}
-        for group in rec.block_ids:
-            for pos, bid in enumerate(group):
-                if owner[bid] != rec.serial:
+        for ids, hashes in zip(rec.block_ids, rec.block_hashes):
+            for pos, (bid, h) in enumerate(zip(ids, hashes)):
+                if bid < 0 or owner[bid] != rec.serial:
                     continue
                 b = blocks[bid]
+                if b._block_hash != h:
+                    # Evicted since, and reused where no remembered release
+                    # saw it (a sliding-window group frees blocks mid-request).
+                    continue
                 cid = reg_id(key(req, pos, self.reuse_count[bid]), now)
                 if b.next_free_block is None:
                     # Still held (a deferred free): it is filed at its release.

@@ -39,8 +39,9 @@ def api_counters() -> ApiCounters:
     """This process's counters, registered in the global registry on first use."""
     reports = Counter(
         "vllm_wa_api_outcome_reports",
-        "Reply outcomes (a reply that called a tool) this API server sent to the engines, "
-        "or lost (the report buffer was full, or the engines refused a batch).",
+        "Reply outcomes this API server sent to the engines (a reply that called a tool; with "
+        "--wa-bench-outcome-hints, also each hint's facts), or lost (the report buffer was full, "
+        "or the engines refused a call).",
         ["result"],
     )
     hints = Counter(

@@ -75,7 +75,11 @@ class OutcomeReporter:
     async def report_now(self, items: list[list[str]]) -> None:
         """Send facts at once, not in the next batch: a benchmark outcome hint
         must reach the engine before its request does (see ``outcome_hints``)."""
-        await call_engines(self.engine_client, "wa_report_outcomes", items)
+        try:
+            await call_engines(self.engine_client, "wa_report_outcomes", items)
+        except Exception as e:
+            self._drop(len(items), f"the engines refused a report: {e}")
+            raise
         self._sent(len(items))
 
     async def run(self) -> None:
