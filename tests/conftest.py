@@ -52,20 +52,20 @@ def make_manager(num_blocks: int, block_size: int = 16, **kwargs) -> KVCacheMana
     return model_free_kv_cache_manager(num_blocks, block_size, max_model_len=8192, **kwargs)
 
 
-def make_hybrid_manager(num_blocks: int, block_size: int = 16, sliding_window: int = 32) -> KVCacheManager:
-    """A hybrid model's manager: one full-attention and one sliding-window KV-cache group."""
+def make_hybrid_manager(
+    num_blocks: int, block_size: int = 16, sliding_window: int = 32, *, window_first: bool = False
+) -> KVCacheManager:
+    """A hybrid model's manager: one full-attention and one sliding-window KV-cache
+    group, in that order unless ``window_first`` (a model whose first layer uses the window)."""
+    full = KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))
+    window = KVCacheGroupSpec(
+        ["swa"],
+        SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window),
+    )
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)),
-            KVCacheGroupSpec(
-                ["swa"],
-                SlidingWindowSpec(
-                    block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
-                ),
-            ),
-        ],
+        kv_cache_groups=[window, full] if window_first else [full, window],
     )
     return KVCacheManager(
         config, max_model_len=8192, scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=True

@@ -337,6 +337,32 @@ def test_a_hybrid_models_further_kv_group_is_filed_and_refiled_but_reports_no_ev
     uninstall_wa_queue(m.block_pool)
 
 
+@pytest.mark.parametrize("window_first", [False, True])
+def test_the_controller_learns_from_the_full_attention_group_in_either_order(clock, window_first):
+    """The reported group is the full-attention one, wherever vLLM numbers it: a
+    sliding-window group's blocks outside the window are null at the release."""
+    m = make_hybrid_manager(80, BS, window_first=window_first)
+    sink = EventSink(capacity=1000)  # every block sampled
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    assert h.reported_group(m) == (1 if window_first else 0)
+    r1 = make_request("r1", tokens(0, 4, 1), tag="chat")
+    run_prefill(m, r1)
+    clock.advance(1)
+    finish(m, r1)
+    r2 = make_request("r2", tokens(0, 6, 1), tag="chat")  # hits r1's 4 blocks
+    assert run_prefill(m, r2) == 4 * BS
+    sink.drain()
+    clock.advance(1)
+    finish(m, r2)
+    freed = [e.block_hash for e in sink.drain() if e.kind == EventKind.FREED]
+    assert len(freed) == 6  # every full block of the prompt, none of the window's nulls
+    r3 = make_request("r3", tokens(0, 6, 1), tag="chat")
+    assert run_prefill(m, r3) == 6 * BS
+    looked = [e for e in sink.drain() if e.kind == EventKind.LOOKUP]
+    assert set(freed) == set(looked[-1].hashes)  # each one seen reused
+    uninstall_wa_queue(m.block_pool)
+
+
 def test_a_late_outcome_moves_only_blocks_that_still_hold_what_the_request_freed(clock):
     """A block the request freed, evicted since and freed again by a release no
     late outcome can reach (here a preemption) belongs to someone else now."""

@@ -85,6 +85,23 @@ class WAHandle:
             reply_tokens = request.num_output_tokens
         return self.tagger.request_tags(request.request_id, raw, outcome, reply_tokens)
 
+    @staticmethod
+    def reported_group(manager: Any) -> int:
+        """The KV-cache group whose blocks the controller learns from: the first
+        full-attention group (it holds every block of a cached prefix; vLLM's
+        hybrid coordinator scans it first by the same test), else group 0.
+
+        vLLM numbers the groups in layer order, so a model whose first layer
+        uses a sliding window (Gemma 3, gpt-oss) has it as group 0, where the
+        blocks that left the window are null.
+        """
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        for i, group in enumerate(manager.kv_cache_config.kv_cache_groups):
+            if isinstance(group.kv_cache_spec, FullAttentionSpec):
+                return i
+        return 0
+
     def on_lookup(self, manager: Any, request: Any, result: Any) -> None:
         from vllm.v1.core.kv_cache_utils import (
             make_block_hash_with_group_id,
@@ -92,15 +109,16 @@ class WAHandle:
         )
 
         blocks = result[0].blocks
-        hits = blocks[0] if blocks else []
-        block_size = manager.coordinator.single_type_managers[0].block_size
+        g = self.reported_group(manager) if len(blocks) > 1 else 0
+        hits = blocks[g] if blocks else []
+        block_size = manager.coordinator.single_type_managers[g].block_size
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, block_size)
         self.tagger.on_lookup(
             self.request_tags(request),
             hits,
             hashes,
-            to_key=lambda h: make_block_hash_with_group_id(h, 0),
-            extra_hits=blocks[1:],
+            to_key=lambda h: make_block_hash_with_group_id(h, g),
+            extra_hits=[b for i, b in enumerate(blocks) if i != g],
         )
 
     def on_free(self, manager: Any, request: Any) -> None:
@@ -109,7 +127,9 @@ class WAHandle:
             self.tagger.forget(request.request_id)
             return
         tags = self.request_tags(request, finished=True)
-        self.tagger.on_free(tags, groups[0], finished=request.is_finished(), extra_groups=groups[1:])
+        g = self.reported_group(manager) if len(groups) > 1 else 0
+        others = [b for i, b in enumerate(groups) if i != g]
+        self.tagger.on_free(tags, groups[g], finished=request.is_finished(), extra_groups=others)
 
 
 def get_wa_handle(block_pool: Any) -> WAHandle | None:
