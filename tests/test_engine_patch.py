@@ -37,6 +37,26 @@ def block_ids_of(manager, request_id):
     return [b.block_id for b in manager.coordinator.get_blocks(request_id)[0]]
 
 
+class OutcomeKey:
+    """Classes by tag and reply outcome (what a late outcome changes)."""
+
+    uses_block_features = False
+
+    def __call__(self, req, position, reuse_count):
+        return f"{req.tag}.{req.outcome or 'unknown'}"
+
+
+def release_then_hit(m, clock):
+    """``r1`` (4 full blocks) finishes; ``r2`` (6) is prefilled on its 4-block hit and returned."""
+    r1 = make_request("r1", tokens(0, 4, 1), tag="chat")
+    run_prefill(m, r1)
+    clock.advance(1)
+    finish(m, r1)
+    r2 = make_request("r2", tokens(0, 6, 1), tag="chat")
+    assert run_prefill(m, r2) == 4 * BS
+    return r2
+
+
 def test_importing_vllm_wa_patches_nothing():
     code = (
         "import vllm_wa, vllm_wa.engine_patch, vllm_wa.engine_patch.install as i;"
@@ -255,12 +275,6 @@ def test_class_key_sees_position_and_reuse_count(clock):
 
 
 def test_reclassify_moves_a_finished_requests_free_blocks(clock):
-    class OutcomeKey:
-        uses_block_features = False
-
-        def __call__(self, req, position, reuse_count):
-            return f"{req.tag}.{req.outcome or 'unknown'}"
-
     m = make_manager(20)
     h = install_wa_queue(m.block_pool, clock=clock, class_key=OutcomeKey())
     r1 = make_request("r1", tokens(0, 3, 2), tag="chat")
@@ -290,12 +304,6 @@ def test_a_hybrid_models_further_kv_group_is_filed_and_refiled_but_reports_no_ev
     for another group's block could never be matched by a reuse (a censored
     observation only, pulling every reuse model down). Its blocks take the
     request's class, and a late outcome moves them with the first group's."""
-
-    class OutcomeKey:
-        uses_block_features = False
-
-        def __call__(self, req, position, reuse_count):
-            return f"{req.tag}.{req.outcome or 'unknown'}"
 
     m = make_hybrid_manager(60, BS)
     # Hash-sampled events (with every block sampled, every eviction is reported).
@@ -345,12 +353,7 @@ def test_the_controller_learns_from_the_full_attention_group_in_either_order(clo
     sink = EventSink(capacity=1000)  # every block sampled
     h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
     assert h.reported_group(m) == (1 if window_first else 0)
-    r1 = make_request("r1", tokens(0, 4, 1), tag="chat")
-    run_prefill(m, r1)
-    clock.advance(1)
-    finish(m, r1)
-    r2 = make_request("r2", tokens(0, 6, 1), tag="chat")  # hits r1's 4 blocks
-    assert run_prefill(m, r2) == 4 * BS
+    r2 = release_then_hit(m, clock)
     sink.drain()
     clock.advance(1)
     finish(m, r2)
@@ -366,12 +369,6 @@ def test_the_controller_learns_from_the_full_attention_group_in_either_order(clo
 def test_a_late_outcome_moves_only_blocks_that_still_hold_what_the_request_freed(clock):
     """A block the request freed, evicted since and freed again by a release no
     late outcome can reach (here a preemption) belongs to someone else now."""
-
-    class OutcomeKey:
-        uses_block_features = False
-
-        def __call__(self, req, position, reuse_count):
-            return f"{req.tag}.{req.outcome or 'unknown'}"
 
     m = make_manager(6)  # 5 usable blocks
     h = install_wa_queue(m.block_pool, clock=clock, class_key=OutcomeKey())
@@ -404,12 +401,7 @@ def test_a_late_outcome_keeps_each_blocks_position_in_a_sliding_window_group(clo
 
     m = make_hybrid_manager(60, BS)
     h = install_wa_queue(m.block_pool, clock=clock, class_key=DepthOutcomeKey())
-    r1 = make_request("r1", tokens(0, 4, 1), tag="chat")
-    run_prefill(m, r1)
-    clock.advance(1)
-    finish(m, r1)
-    r2 = make_request("r2", tokens(0, 6, 1), tag="chat")  # hits r1's 4 blocks
-    assert run_prefill(m, r2) == 4 * BS
+    r2 = release_then_hit(m, clock)
     assert any(b.is_null for b in m.coordinator.get_blocks("r2")[1])
     clock.advance(1)
     finish(m, r2)
@@ -428,12 +420,6 @@ def test_late_outcomes_keep_a_bounded_number_of_reported_blocks(clock, monkeypat
     """What the OUTCOME event carries is kept for the newest releases only, in all
     at most MAX_REPORTED_BLOCKS: a late report on an older one still moves the
     live queue's blocks, and tells the controller nothing to move."""
-    class OutcomeKey:
-        uses_block_features = False
-
-        def __call__(self, req, position, reuse_count):
-            return f"{req.tag}.{req.outcome or 'unknown'}"
-
     monkeypatch.setattr(block_tagger, "MAX_REPORTED_BLOCKS", 5)
     m = make_manager(40)
     sink = EventSink(capacity=1000)
