@@ -52,6 +52,7 @@ class WAHandle:
     sink: EventSink | None
     hook_errors: int = 0
     _logged_error: bool = field(default=False, repr=False)
+    _reported_group: int | None = field(default=None, repr=False)
 
     @property
     def registry(self) -> ClassRegistry:
@@ -85,22 +86,23 @@ class WAHandle:
             reply_tokens = request.num_output_tokens
         return self.tagger.request_tags(request.request_id, raw, outcome, reply_tokens)
 
-    @staticmethod
-    def reported_group(manager: Any) -> int:
+    def reported_group(self, manager: Any) -> int:
         """The KV-cache group whose blocks the controller learns from: the first
         full-attention group (it holds every block of a cached prefix; vLLM's
         hybrid coordinator scans it first by the same test), else group 0.
 
         vLLM numbers the groups in layer order, so a model whose first layer
         uses a sliding window (Gemma 3, gpt-oss) has it as group 0, where the
-        blocks that left the window are null.
+        blocks that left the window are null.  Worked out at the first call:
+        a handle serves one block pool, so one manager.
         """
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        if self._reported_group is None:
+            from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        for i, group in enumerate(manager.kv_cache_config.kv_cache_groups):
-            if isinstance(group.kv_cache_spec, FullAttentionSpec):
-                return i
-        return 0
+            groups = manager.kv_cache_config.kv_cache_groups
+            full = (i for i, group in enumerate(groups) if isinstance(group.kv_cache_spec, FullAttentionSpec))
+            self._reported_group = next(full, 0)
+        return self._reported_group
 
     def on_lookup(self, manager: Any, request: Any, result: Any) -> None:
         from vllm.v1.core.kv_cache_utils import (
