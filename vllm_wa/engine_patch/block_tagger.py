@@ -359,7 +359,8 @@ class BlockTagger:
         again and keeps its (counted) tag and its lookup.  ``extra_groups``:
         the blocks of further KV-cache groups (hybrid models).  They take the
         same classes and move with a late outcome, but report no FREED
-        events: lookups report the first group's hashes only, so an extra
+        events: lookups report only the hashes of the group in ``blocks``
+        (the engine hooks pass the first full-attention group), so another
         group's block would never be seen reused, and its events would be
         censored observations that pull every class's reuse model down.
         """
