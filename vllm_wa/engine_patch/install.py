@@ -104,6 +104,11 @@ class WAHandle:
             self._reported_group = next(full, 0)
         return self._reported_group
 
+    def _split_groups(self, manager: Any, groups: Any) -> tuple[int, list]:
+        """The reported group's index, and the other groups' blocks (a hybrid model's)."""
+        g = self.reported_group(manager) if len(groups) > 1 else 0
+        return g, [blocks for i, blocks in enumerate(groups) if i != g]
+
     def on_lookup(self, manager: Any, request: Any, result: Any) -> None:
         from vllm.v1.core.kv_cache_utils import (
             make_block_hash_with_group_id,
@@ -111,7 +116,7 @@ class WAHandle:
         )
 
         blocks = result[0].blocks
-        g = self.reported_group(manager) if len(blocks) > 1 else 0
+        g, others = self._split_groups(manager, blocks)
         hits = blocks[g] if blocks else []
         block_size = manager.coordinator.single_type_managers[g].block_size
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, block_size)
@@ -120,7 +125,7 @@ class WAHandle:
             hits,
             hashes,
             to_key=lambda h: make_block_hash_with_group_id(h, g),
-            extra_hits=[b for i, b in enumerate(blocks) if i != g],
+            extra_hits=others,
         )
 
     def on_free(self, manager: Any, request: Any) -> None:
@@ -129,8 +134,7 @@ class WAHandle:
             self.tagger.forget(request.request_id)
             return
         tags = self.request_tags(request, finished=True)
-        g = self.reported_group(manager) if len(groups) > 1 else 0
-        others = [b for i, b in enumerate(groups) if i != g]
+        g, others = self._split_groups(manager, groups)
         self.tagger.on_free(tags, groups[g], finished=request.is_finished(), extra_groups=others)
 
 
