@@ -156,6 +156,52 @@ def test_replacement_never_moves_on_noise_or_away_from_lru():
     assert tuner._replacement(600.0) is None and tuner._promotion(600.0) is not None
 
 
+def run_unpaired(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, ...]) -> float:
+    """Every candidate draws its own hits (equal candidates differ by noise), a decision every 5 s."""
+    t = t0
+    while t < t1:
+        end = t + 5.0
+        while t < end:
+            tuner.record(t, 8, [sum(rng.random() < q for _ in range(8)) for q in p])
+            t += 0.5
+        tuner.decide(t)
+    return t
+
+
+def test_replacement_leaves_only_a_candidate_that_trails_the_field():
+    """Candidates a and b equally ahead, c and d a little ahead of LRU: noise
+    between a and b moved the tuner on five of eight seeds in two hours with
+    the gate off; with it (the others' mean must lead the running one) it
+    never moves. When a falls behind the field, the gate opens and a is
+    replaced by the leader within the demotion window."""
+    names = [LRU, "a", "b", "c", "d"]
+    moved = {}
+    for gate in (0.95, 0.0):
+        moved[gate] = 0
+        for seed in range(8):
+            settings = TunerSettings(
+                margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=200, min_batches=6,
+                replace_confidence=0.95, replace_gate_confidence=gate,
+            )
+            tuner = Tuner(names, settings)
+            rng = random.Random(seed)
+            run_unpaired(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30, 0.30, 0.30))
+            assert tuner.active == "a"
+            run_unpaired(tuner, rng, 1200.0, 8400.0, (0.30, 0.40, 0.40, 0.33, 0.33))
+            moved[gate] += tuner.active != "a"
+    assert moved[0.95] == 0 and moved[0.0] >= 3
+    for seed in range(8):
+        tuner = Tuner(names, TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30,
+                                           min_requests=200, min_batches=6))
+        rng = random.Random(seed)
+        run_unpaired(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30, 0.30, 0.30))
+        t = crossover = 1200.0
+        while tuner.active == "a" and t < crossover + 3600:
+            t = run_unpaired(tuner, rng, t, t + 5.0, (0.30, 0.34, 0.42, 0.36, 0.36))
+        assert tuner.active == "b" and t - crossover <= 300.0
+        assert tuner.switches[-1].reason == "replace" and tuner.demotions == 0
+
+
 def just_promoted_demotions(episodes: int, seed: int) -> int:
     """Candidates as good as LRU, checked for demotion three batches after
     their promotion (each batch's lead is noise of 1 point)."""
@@ -323,7 +369,12 @@ def test_a_full_window_leaves_lru_over_the_smaller_margin():
 
 
 def test_a_move_between_two_candidates_keeps_the_mixture_bound_on_a_full_window():
-    s = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=10, min_batches=6)
+    # Replacement off: this is the promotion's bar (with it, the one-sided
+    # replacement bound moves at 329 s, the field being wb alone).
+    s = TunerSettings(
+        margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=10, min_batches=6,
+        replace_confidence=0.0,
+    )
     tuner = Tuner([LRU, WA, "wb"], s, initial=WA)
     # wb leads the running candidate as WA led LRU above (LRU ties WA: no demotion).
     assert _feed_batches(tuner, "wb", WA, 40, requests=30) == []
@@ -428,7 +479,7 @@ def test_params_changed_tolerance():
 def test_replace_confidence_is_validated_and_zero_turns_it_off():
     from_config = ControllerConfig(tuner_replace_confidence=0.0).tuner_settings
     assert from_config.replace_confidence == 0.0
-    assert ControllerConfig().tuner_settings.replace_confidence == 0.99
+    assert ControllerConfig().tuner_settings.replace_confidence == 0.95
     for bad in (0.3, 1.0, -0.5):
         with pytest.raises(ConfigError, match="tuner_replace_confidence"):
             ControllerConfig(tuner_replace_confidence=bad)

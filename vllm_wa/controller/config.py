@@ -123,7 +123,8 @@ class ControllerConfig:
     tuner_short_window_s: float = 450.0
     tuner_short_window_confidence: float = 0.999
     tuner_demote_confidence: float = 0.95
-    tuner_replace_confidence: float = 0.99
+    tuner_replace_confidence: float = 0.95
+    tuner_replace_gate_confidence: float = 0.95
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
 
@@ -145,8 +146,9 @@ class ControllerConfig:
         confidences = ("confidence", "full_window_confidence", "short_window_confidence", "demote_confidence")
         for name in (f"tuner_{c}" for c in confidences):
             check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
-        if self.tuner_replace_confidence != 0:  # 0 turns replacement off
-            check_number("tuner_replace_confidence", self.tuner_replace_confidence, ge=0.5, le=0.999999, error=ConfigError)
+        for name in ("tuner_replace_confidence", "tuner_replace_gate_confidence"):  # 0 turns it off
+            if getattr(self, name) != 0:
+                check_number(name, getattr(self, name), ge=0.5, le=0.999999, error=ConfigError)
         if self.tuner_batch_s * 2 > self.tuner_demote_window_s:
             raise ConfigError("tuner_demote_window_s must hold at least two batches (2 x tuner_batch_s)")
         # A promotion needs tuner_min_batches batches inside its window: a shorter window never promotes.
@@ -221,6 +223,7 @@ class ControllerConfig:
             short_window_confidence=self.tuner_short_window_confidence,
             demote_confidence=self.tuner_demote_confidence,
             replace_confidence=self.tuner_replace_confidence,
+            replace_gate_confidence=self.tuner_replace_gate_confidence,
         )
 
     @property

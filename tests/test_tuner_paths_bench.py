@@ -1,0 +1,84 @@
+"""benchmarks/tuner_paths.py: recorded miniature-cache hits replayed through the tuner."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from dataclasses import asdict
+
+import pytest
+
+from vllm_wa.controller.tuner import LRU, TunerSettings
+from vllm_wa.replay.no_signal import no_signal_trace
+
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("tuner_paths")
+
+
+def recording(lead_from: float, seed: int = 0) -> dict:
+    """Two requests a second for an hour; candidate ``a`` hits 10 points more than LRU from ``lead_from``."""
+    rng = random.Random(seed)
+    rows = []
+    t = 0.0
+    while t < 3600.0:
+        p_lru = 0.30
+        p_a = 0.40 if t >= lead_from else 0.30
+        u = [rng.random() for _ in range(10)]
+        rows.append([t, 10, sum(x < p_lru for x in u), sum(x < p_a for x in u)])
+        t += 0.5
+    settings = TunerSettings(min_requests=50)
+    return {
+        "names": [LRU, "a"], "rows": rows, "eval_start": 1800.0,
+        "decisions": [(2 * k * 5, 5.0 * k) for k in range(1, 720)],  # every 5 s
+        "settings": asdict(settings), "token_hit_rate": 0.0,
+    }
+
+
+def test_a_lead_is_followed_and_the_score_is_the_running_candidates(bench):
+    doc = recording(lead_from=600.0)
+    path = bench.replay(doc, bench.settings_from(doc, {}))
+    assert [sw.reason for sw in path.switches] == ["promote"]
+    assert 600.0 < path.switches[0].time < 1800.0
+    # On "a" for the whole evaluation window: its rate, 10 points over LRU's (up to noise).
+    assert path.score - path.lru == pytest.approx(10.0, abs=1.0)
+    # A margin no lead clears keeps LRU: the score is LRU's, exactly.
+    never = bench.replay(doc, bench.settings_from(doc, {"margin": 0.5, "full_window_margin": 0.5}))
+    assert never.switches == [] and never.score == never.lru
+
+
+def test_settings_overrides_are_checked(bench):
+    assert bench.parse_overrides(["replace_confidence=0.99"]) == {"replace_confidence": 0.99}
+    for bad in ("no_such_knob=1", "margin"):
+        with pytest.raises(SystemExit):
+            bench.parse_overrides([bad])
+
+
+def test_record_writes_what_replay_reads(bench, tmp_path, monkeypatch):
+    """A real (tiny) wa-online replay: the recorded rows replayed with the
+    recorded settings take the real run's switches at the same times."""
+    trace = no_signal_trace(0, conversations=120)
+    monkeypatch.setattr(bench, "load_trace_cached", lambda *a, **k: trace)
+    out = tmp_path / "rec.json.gz"
+    cfg = tmp_path / "c.toml"
+    # Loose bars (no class test, no margin), so that this small trace switches.
+    cfg.write_text(
+        "[controller]\nsample_rate = 1.0\nmin_samples = 5\nclass_confidence = 0.0\n"
+        "[tuner]\nmin_requests = 20\nmargin = 0.0\nfull_window_margin = 0.0\n"
+        "confidence = 0.6\nfull_window_confidence = 0.6\n"
+    )
+    line = bench.record(bench.RecordJob("unused", "60", None, str(cfg), str(out)))
+    assert str(out) in line
+    with gzip.open(out, "rt") as f:
+        doc = json.load(f)
+    assert doc["names"][0] == LRU and len(doc["rows"]) > 100
+    assert all(len(r) == 2 + len(doc["names"]) for r in doc["rows"])
+    assert doc["switches"]
+    path = bench.replay(doc, bench.settings_from(doc, {}))
+    assert [(round(sw.time, 3), sw.to_candidate) for sw in path.switches] == [
+        (round(s["time"], 3), s["to"]) for s in doc["switches"]
+    ]
