@@ -84,9 +84,9 @@ with a batch-means standard error.
   replaced candidate's earlier lead no longer counts, as with a demoted one.
 * **The gate.** Candidates that are equally good differ by noise, and a
   bound at 0.95 tested at every refit moved between two of them (agentic
-  split at 8 % and 11 %, -0.21 and -0.12 points in the recorded
-  miniature-cache paths, ``benchmarks/tuner_paths.py``); at 0.99 it waited
-  at 15 % until the mixture boundary moved it, 4,786 s.  So a replacement
+  split at 8 %: five switches instead of three, -0.14 points on the
+  recorded miniature-cache path, ``benchmarks/tuner_paths.py``); at 0.99
+  it waited at 15 % until the mixture boundary moved it, at 4,786 s.  So a replacement
   also needs the running candidate to trail the field: the mean hit rate
   of the other non-LRU candidates must lead it over the same window, at the
   one-sided Student's t bound ``replace_gate_confidence`` (0.95).  A
