@@ -93,7 +93,8 @@ with a batch-means standard error.
   candidate among the best passes that test only by a large chance; one
   whose lead has ended trails most of the others.  Measured in real
   replays of the agentic split: 15 % moves at 4,056 s and reads 77.88
-  (77.59 before), 11 % 55.90 (55.63); 5, 8 and 20 % and every Mooncake,
+  (77.59 before), 11 % 55.90 (55.63), 8 % takes another path to the same
+  candidate (32.336 against 32.342); 5 and 20 % and every Mooncake,
   synthetic, ``--cut 1200`` and no-signal run take the same switches.
 
 Every switch is logged with the evidence behind it.
