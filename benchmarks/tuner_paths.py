@@ -15,7 +15,7 @@ cache's events, so another path feeds the candidates slightly other
 models).  On the agentic split at 15 % the recorded default path scores
 77.63 and the real run reads 77.59.
 
-    python benchmarks/tuner_paths.py record TRACE --sizes 5%,15% --out DIR [--cut S] [--controller-config C] [--jobs J]
+    python benchmarks/tuner_paths.py record TRACE --sizes 5%,15% --out DIR [--cut S] [--seed N] [--controller-config C] [--jobs J]
     python benchmarks/tuner_paths.py replay DIR/*.json.gz [--set replace_confidence=0.99 ...]
 """
 
@@ -75,12 +75,13 @@ class RecordJob:
     cut: float | None
     config: str | None
     out: str
+    seed: int = 0  # agentic traces: the seed of the conversations' offsets
 
 
 def record(job: RecordJob) -> str:
     """One ``wa-online`` replay; writes its rows and returns a one-line summary."""
     base = ControllerConfig.load(job.config) if job.config else ControllerConfig()
-    trace = load_trace_cached(job.trace, agentic=AgenticOptions(), cut=job.cut)
+    trace = load_trace_cached(job.trace, agentic=AgenticOptions(seed=job.seed), cut=job.cut)
     replay = ReplayConfig(controller_config=base)
     eval_start = trace.eval_start(replay.profile_fraction)
     blocks = resolve_sizes(job.size, trace, eval_start)[0]
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("trace")
     r.add_argument("--sizes", required=True, help="cache sizes: blocks, or %% of the evaluation window's unique blocks")
     r.add_argument("--cut", type=float, help="drop requests arriving this many seconds after the trace's first")
+    r.add_argument("--seed", type=int, default=0, help="agentic: seed of the conversations' offsets")
     r.add_argument("--controller-config", help="TOML controller config (default: the defaults)")
     r.add_argument("--out", required=True, help="directory for the recordings")
     r.add_argument("--jobs", type=int, default=1, help="parallel replays (processes)")
@@ -181,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         stem = os.path.basename(args.trace).split(".")[0]
         cut = f"_cut{args.cut:g}" if args.cut else ""
+        seed = f"_seed{args.seed}" if args.seed else ""
         jobs = [
             RecordJob(args.trace, s, args.cut, args.controller_config,
-                      os.path.join(args.out, f"{stem}{cut}_{s.replace('%', 'pct')}.json.gz"))
+                      os.path.join(args.out, f"{stem}{cut}{seed}_{s.replace('%', 'pct')}.json.gz"), args.seed)
             for s in args.sizes.split(",")
         ]
         if args.jobs <= 1:
