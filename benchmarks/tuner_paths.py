@@ -85,7 +85,7 @@ def record(job: RecordJob) -> str:
     replay = ReplayConfig(controller_config=base)
     eval_start = trace.eval_start(replay.profile_fraction)
     blocks = resolve_sizes(job.size, trace, eval_start)[0]
-    pol = RecordingOnlinePolicy("wa-online", config=base, source_ids=getattr(trace, "source_ids", None))
+    pol = RecordingOnlinePolicy.create(base, trace)
     res = run_one(trace, pol, blocks, replay, eval_start)
     assert pol.controller is not None
     tuner = pol.controller.tuner

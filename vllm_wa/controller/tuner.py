@@ -221,16 +221,26 @@ class PairedHits:
 
     def compare(self, a: str, b: str, since: float) -> Comparison:
         """Lead of ``a`` over ``b`` in hit rate over the batches from ``since``."""
-        return self.compare_mean([a], b, since)
+        rows = self._since(since)
+        ia, ib = self.index[a], self.index[b]
+        return self._lead(rows, [float(r[3][ia] - r[3][ib]) for r in rows])
 
     def compare_mean(self, group: list[str], b: str, since: float) -> Comparison:
         """Lead of the mean hit rate of ``group`` over ``b``'s, over the batches from ``since``."""
         rows = self._since(since)
         if not rows:
-            return Comparison(0.0, math.inf, 0, 0, 0)
+            return self._lead(rows, [])
         ig, ib = [self.index[a] for a in group], self.index[b]
+        hits = np.stack([r[3] for r in rows])
+        return self._lead(rows, hits[:, ig].mean(axis=1) - hits[:, ib])
+
+    @staticmethod
+    def _lead(rows: list[tuple[int, int, int, np.ndarray]], diffs: Any) -> Comparison:
+        """The ratio of the batches' summed hit differences to their lookups, with its batch-means error."""
+        if not rows:
+            return Comparison(0.0, math.inf, 0, 0, 0)
         n = np.array([r[2] for r in rows], dtype=np.float64)
-        d = np.array([float(r[3][ig].mean() - r[3][ib]) for r in rows])
+        d = np.asarray(diffs, dtype=np.float64)
         reqs = sum(r[1] for r in rows)
         total = float(n.sum())
         if total <= 0:
@@ -273,8 +283,7 @@ class Tuner:
         self.replacements = 0
         self.seconds_on = {n: 0.0 for n in self.names}
         self._last = None
-        self._t_demote: dict[int, float] = {}
-        self._t_replace: dict[int, float] = {}
+        self._t_quantiles: dict[tuple[float, int], float] = {}
         # Batches a full promotion window holds, and its bar (see the module doc).
         self._full_batches = max(s.min_batches, int(s.window_s // s.batch_s))
         self._z_full = float(norm.ppf(s.full_window_confidence))
@@ -334,11 +343,16 @@ class Tuner:
             return cmp, lb
         return None
 
-    def _demote_quantile(self, batches: int) -> float:
-        q = self._t_demote.get(batches)
+    def _t_quantile(self, confidence: float, batches: int) -> float:
+        """One-sided Student's t quantile for a mean of ``batches`` batch means
+        (cached: the bars are looked up at every refit)."""
+        q = self._t_quantiles.get((confidence, batches))
         if q is None:
-            q = self._t_demote[batches] = float(student_t.ppf(self.settings.demote_confidence, batches - 1))
+            q = self._t_quantiles[confidence, batches] = float(student_t.ppf(confidence, batches - 1))
         return q
+
+    def _demote_quantile(self, batches: int) -> float:
+        return self._t_quantile(self.settings.demote_confidence, batches)
 
     def account(self, now: float) -> None:
         """Count the time since the last call on the running candidate."""
@@ -400,15 +414,12 @@ class Tuner:
         cmp = self.hits.compare_mean(others, self.active, since)
         if cmp.batches < 3:
             return False
-        return cmp.lower(float(student_t.ppf(conf, cmp.batches - 1))) > 0.0
+        return cmp.lower(self._t_quantile(conf, cmp.batches)) > 0.0
 
     def _replace_quantile(self, batches: int) -> float:
-        q = self._t_replace.get(batches)
-        if q is None:
-            # Bonferroni over the candidates a replacement may choose (not LRU, not the running one).
-            alpha = (1.0 - self.settings.replace_confidence) / max(1, len(self.names) - 2)
-            q = self._t_replace[batches] = float(student_t.ppf(1.0 - alpha, batches - 1))
-        return q
+        # Bonferroni over the candidates a replacement may choose (not LRU, not the running one).
+        alpha = (1.0 - self.settings.replace_confidence) / max(1, len(self.names) - 2)
+        return self._t_quantile(1.0 - alpha, batches)
 
     def _switch(self, now: float, to: str, reason: str, cmp: Comparison, lb: float) -> Switch:
         sw = Switch(now, self.active, to, reason, cmp.lead, lb, cmp.batches, cmp.requests)
