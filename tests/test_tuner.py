@@ -483,3 +483,9 @@ def test_replace_confidence_is_validated_and_zero_turns_it_off():
     for bad in (0.3, 1.0, -0.5):
         with pytest.raises(ConfigError, match="tuner_replace_confidence"):
             ControllerConfig(tuner_replace_confidence=bad)
+    # The gate likewise: 0 turns it off, a value outside [0.5, 1) is refused.
+    assert ControllerConfig(tuner_replace_gate_confidence=0.0).tuner_settings.replace_gate_confidence == 0.0
+    assert ControllerConfig().tuner_settings.replace_gate_confidence == 0.95
+    for bad in (0.3, 1.0, -0.5):
+        with pytest.raises(ConfigError, match="tuner_replace_gate_confidence"):
+            ControllerConfig(tuner_replace_gate_confidence=bad)
