@@ -123,7 +123,7 @@ def replay(doc: dict[str, Any], settings: TunerSettings) -> Path:
     """Feed the recorded rows through a fresh tuner, deciding where the recorded run decided."""
     names = doc["names"]
     tuner = Tuner(names, settings)
-    index = {n: i for i, n in enumerate(names)}
+    index = tuner.hits.index
     lru = index[LRU]
     eval_start = float(doc["eval_start"])
     decisions = iter(doc["decisions"])
