@@ -7,8 +7,10 @@ evaluation window's start and the real cache's token hit rate.
 
 ``replay`` feeds saved rows through a fresh :class:`Tuner` with the
 recorded settings, or with ``--set key=value`` overrides of
-:class:`TunerSettings`, deciding at the recorded run's refit times.  Its score is the running candidate's sampled hit rate over the evaluation
-window: an estimate of the path's hit rate, exact only as far as the
+:class:`TunerSettings`, deciding at the recorded run's refit times;
+``--drop NAME`` leaves a candidate out (each miniature cache runs on its
+own, so a smaller set's rows are the recording's other columns).  Its score
+is the running candidate's sampled hit rate over the evaluation window: an estimate of the path's hit rate, exact only as far as the
 miniature caches predict the real one and the real cache's path does not
 change what the controller learns (it fits its reuse models from the real
 cache's events, so another path feeds the candidates slightly other
@@ -16,7 +18,7 @@ models).  On the agentic split at 15 % the recorded default path scores
 77.63 and the real run reads 77.59.
 
     python benchmarks/tuner_paths.py record TRACE --sizes 5%,15% --out DIR [--cut S] [--seed N] [--controller-config C] [--jobs J]
-    python benchmarks/tuner_paths.py replay DIR/*.json.gz [--set replace_confidence=0.99 ...]
+    python benchmarks/tuner_paths.py replay DIR/*.json.gz [--set replace_confidence=0.99 ...] [--drop NAME ...] [--switches]
 """
 
 from __future__ import annotations
@@ -119,9 +121,17 @@ class Path:
     switches: list[Switch]
 
 
-def replay(doc: dict[str, Any], settings: TunerSettings) -> Path:
-    """Feed the recorded rows through a fresh tuner, deciding where the recorded run decided."""
-    names = doc["names"]
+def replay(doc: dict[str, Any], settings: TunerSettings, drop: tuple[str, ...] = ()) -> Path:
+    """Feed the recorded rows through a fresh tuner, deciding where the recorded run decided.
+
+    ``drop`` leaves candidates out (never LRU): each miniature cache runs on
+    its own, so the path of a smaller candidate set is its columns alone.
+    """
+    unknown = [n for n in drop if n not in doc["names"] or n == LRU]
+    if unknown:
+        raise ValueError(f"cannot drop {unknown}: candidates are {doc['names']}")
+    keep = [i for i, n in enumerate(doc["names"]) if n not in drop]
+    names = [doc["names"][i] for i in keep]
     tuner = Tuner(names, settings)
     index = tuner.hits.index
     lru = index[LRU]
@@ -136,7 +146,7 @@ def replay(doc: dict[str, Any], settings: TunerSettings) -> Path:
             if sw is not None:
                 switches.append(sw)
             pending = next(decisions, None)
-        t, n, h = row[0], int(row[1]), row[2:]
+        t, n, h = row[0], int(row[1]), [row[2 + i] for i in keep]
         tuner.record(t, n, h)
         if t >= eval_start:
             hits += h[index[tuner.active]]
@@ -178,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("recordings", nargs="+")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a TunerSettings field")
     q.add_argument("--switches", action="store_true", help="print every switch")
+    q.add_argument("--drop", action="append", default=[], metavar="NAME", help="leave a candidate out (by name)")
     args = p.parse_args(argv)
     if args.cmd == "record":
         os.makedirs(args.out, exist_ok=True)
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         with gzip.open(path, "rt") as f:
             doc = json.load(f)
         recorded = replay(doc, settings_from(doc, {}))
-        ran = replay(doc, settings_from(doc, overrides)) if overrides else recorded
+        drop = tuple(args.drop)
+        ran = replay(doc, settings_from(doc, overrides), drop) if overrides or drop else recorded
         print(
             f"{os.path.basename(path):48s} {100 * doc['token_hit_rate']:7.2f} {ran.lru:7.2f} {recorded.score:9.2f} "
             f"{ran.score:7.2f} {ran.score - recorded.score:+6.2f} {len(ran.switches)}"

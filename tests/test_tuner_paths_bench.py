@@ -82,3 +82,18 @@ def test_record_writes_what_replay_reads(bench, tmp_path, monkeypatch):
     assert [(round(sw.time, 3), sw.to_candidate) for sw in path.switches] == [
         (round(s["time"], 3), s["to"]) for s in doc["switches"]
     ]
+
+
+def test_a_dropped_candidate_is_left_out_of_the_path(bench):
+    """``--drop``: the path of a smaller candidate set is the recording's
+    other columns; with the leader dropped the tuner stays on LRU."""
+    doc = recording(lead_from=600.0)
+    doc["names"] = [LRU, "a", "b"]
+    doc["rows"] = [row + [row[2]] for row in doc["rows"]]  # b: hits exactly as LRU does
+    both = bench.replay(doc, bench.settings_from(doc, {}))
+    assert [sw.to_candidate for sw in both.switches] == ["a"]
+    without_a = bench.replay(doc, bench.settings_from(doc, {}), drop=("a",))
+    assert without_a.switches == [] and without_a.score == without_a.lru == both.lru
+    for bad in (("lru",), ("c",)):
+        with pytest.raises(ValueError, match="cannot drop"):
+            bench.replay(doc, bench.settings_from(doc, {}), drop=bad)
