@@ -531,8 +531,8 @@ def test_a_lookup_is_one_observation_per_class_of_each_key_however_many_finest_c
     coarse = c._class_data(FeatureKey(("tag", "outcome")), None)["chat.o:stop"]
     assert (coarse.groups, coarse.n_events) == (20.0, 160.0)
     # A candidate's key (the default reuse-and-growth one; no previous turn: growth unknown).
-    by_reuse = c._class_data(FeatureKey(("tag", "outcome", "reuse", "growth")), None)
-    assert {name: d.groups for name, d in by_reuse.items()} == {f"chat.o:stop.r{i}.gu": 20.0 for i in range(4)}
+    by_reuse_growth = c._class_data(FeatureKey(("tag", "outcome", "reuse", "growth")), None)
+    assert {name: d.groups for name, d in by_reuse_growth.items()} == {f"chat.o:stop.r{i}.gu": 20.0 for i in range(4)}
 
 
 def test_past_the_finest_class_cap_new_classes_keep_their_tag_and_outcome(monkeypatch):

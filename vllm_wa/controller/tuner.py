@@ -48,10 +48,14 @@ with a batch-means standard error.
   trace's seed 9 the reuse-and-growth candidate, which reads the turn count
   there through the prompt's growth, cleared the per-candidate bar on a
   2.1-point lead over 502 requests at 3,790 s and ran for 48 % of the
-  trace (+0.11 points); with the split bar it stays on LRU, and every
-  development trace's recorded path scores the same (README, "No
-  signal").  Switches between two non-LRU
-  candidates keep it throughout: with the full-window bar for them too, the
+  trace (+0.11 points); with the split bar it stays on LRU, and the real
+  replays of the three development traces read the same (README, "Mooncake:
+  reuse and growth").  A move between two non-LRU candidates keeps the
+  per-candidate bar: split there too (as on 2026-12-04), it held back the
+  agentic split's move at 15 % on another arrangement (``--seed 2``) by
+  160 s, -0.50 points on the recorded path, and guards nothing: the move
+  never leaves a candidate for LRU's order.  Switches between two non-LRU
+  candidates keep the mixture boundary throughout: with the full-window bar for them too, the
   agentic split at 8 % switched six times instead of twice and lost 0.17
   points (miniature-cache replay).
 * **The short look.** A lead that begins late in a full window is diluted
@@ -103,11 +107,12 @@ with a batch-means standard error.
   not the mean: one candidate far behind (a key that suits other traffic:
   the Mooncake reuse-and-growth key on the agentic split) pulled the mean
   down and held the gate shut at 15 % (77.63 on the recorded path against
-  77.96 with the median).  Measured in real
-  replays of the agentic split: 15 % moves at 4,056 s and reads 77.88
-  (77.59 before), 11 % 55.90 (55.63), 8 % takes another path to the same
-  candidate (32.336 against 32.342); 5 and 20 % and every Mooncake,
-  synthetic, ``--cut 1200`` and no-signal run take the same switches.
+  77.96 with the median; real replay 77.90).  With the median, a candidate
+  that trails the field by a little is replaced later: two points behind
+  the median (four behind the mean) took up to 420 s instead of 300 s in
+  the test below.  The mean gate, with the earlier candidate set, measured
+  in real replays of the agentic split: 15 % moved at 4,056 s and read
+  77.88 (77.59 without the gate), 11 % 55.90 (55.63).
 
 Every switch is logged with the evidence behind it.
 """
@@ -241,8 +246,13 @@ class PairedHits:
         """Lead of ``group``'s median over ``b``, over the batches from ``since``.
 
         The median is taken per batch (the candidates share a batch's
-        lookups, so it is the median hit rate): a lead means ``b`` trails
-        most of the group, whatever the group's worst members do.
+        lookups, so each batch's median hits are its median hit rate), and
+        the lead is the lookup-weighted mean of those per-batch medians less
+        ``b``'s rate: a lead means ``b`` trails most of the group, whatever
+        its worst members do (with three or more members; with two the
+        median is their mean).  It is not the median of the candidates'
+        window rates: a per-batch median of noisy values leans toward the
+        side of the outliers.
         """
         rows = self._since(since)
         if not rows:
@@ -326,8 +336,8 @@ class Tuner:
             cmp = self.hits.compare(name, self.active, since)
             if cmp.requests < s.min_requests or cmp.batches < s.min_batches:
                 continue
-            z = sequential_z(cmp.batches, self._leave_lru_confidence if self.active == LRU else s.confidence,
-                             s.min_batches)
+            conf = self._leave_lru_confidence if self.active == LRU else s.confidence
+            z = sequential_z(cmp.batches, conf, s.min_batches)
             margin = s.margin
             full_lru_move = cmp.batches >= self._full_batches and LRU in (name, self.active)
             if full_lru_move and cmp.requests >= s.full_window_min_requests:
