@@ -201,3 +201,30 @@ def test_a_preempted_request_aborted_while_waiting_is_finished_for_consumers(clo
     m.get_computed_blocks(make_request("p", tokens(0, 2), tag="t"))  # the id comes back: a new request
     assert [e.kind for e in sink.drain() if e.kind in requests] == [EventKind.LOOKUP]
     assert h.tagger.started_at("p") == 0.0
+
+
+def test_after_a_key_change_a_full_registry_gives_the_earlier_keys_classes_back(clock):
+    """A switch to another class key: the earlier key's classes hold every slot
+    (for the retire time, here for ever), so the new key's releases would all
+    go to ``other`` and the queue would run as LRU. The first release that
+    finds the registry full retires the classes unused since the change."""
+    m = make_manager(80)
+    reg = ClassRegistry(max_classes=6)  # 3 slots past the reserved names; nothing retires by time
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg)
+    for i, tag in enumerate(("a_1", "b_1", "c_1")):
+        serve(m, f"r{i}", 1000 * i, tag)
+        clock.advance(1.0)
+    assert sorted(h.registry.used_names()) == ["a_1", "b_1", "c_1"]
+    h.tagger.set_class_key(FeatureKey(("tag", "outcome")))
+    h.tagger.set_class_key(FeatureKey(("tag", "outcome")))  # the same key again is no change
+    clock.advance(1.0)
+    serve(m, "after", 5000, "a_1")
+    by_class = h.queue.free_blocks_by_class()
+    assert by_class == {"default": 3 * 2, "a_1.o:stop": 2}
+    assert h.tagger.releases_over_class_cap == 0
+    h.queue.check_invariants()
+    # Without a key change, a full registry still sends new classes to ``other``.
+    for i, tag in enumerate(("b_1", "c_1", "a_2")):
+        serve(m, f"s{i}", 10_000 + 1000 * i, tag)
+    assert h.tagger.releases_over_class_cap == 1
+    assert h.queue.free_blocks_by_class()["other"] == 2

@@ -164,11 +164,12 @@ class ClassRegistry:
         if now > self._last_used[cid]:
             self._last_used[cid] = now
 
-    def retire_idle(self, now: float) -> list[int]:
-        """Free the ids of names unused since ``now - retire_after_s``; returns them."""
-        if self.retire_after_s == math.inf:
+    def retire_idle(self, now: float, unused_since: float = -math.inf) -> list[int]:
+        """Free the ids of names unused since ``now - retire_after_s`` (or since
+        ``unused_since``, if later); returns them."""
+        cutoff = max(now - self.retire_after_s, unused_since)
+        if cutoff == -math.inf:
             return []
-        cutoff = now - self.retire_after_s
         retired = []
         with self._lock:
             for cid in range(len(RESERVED_CLASSES), len(self._names)):

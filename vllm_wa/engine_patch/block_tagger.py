@@ -158,6 +158,8 @@ class BlockTagger:
         retire_s = min(classes.retire_after_s, self.tags.retire_after_s)
         self._retire_every = max(1.0, retire_s / 10.0)
         self._next_retire = -math.inf
+        # When the class key last changed, and the change the last reclaim was for.
+        self._key_changed_at = self._reclaimed_for = -math.inf
         n = len(queue.block_class)
         self.reuse_count = [0] * n
         # The hash a block had when its reuse count was last updated: a block
@@ -229,8 +231,33 @@ class BlockTagger:
         self._remember = max(0, int(n))
 
     def set_class_key(self, class_key: ClassKeyFunction) -> None:
-        """Swap the class-key function (takes effect at the next free)."""
+        """Swap the class-key function (takes effect at the next free).
+
+        The earlier key's classes keep their ids, and their free blocks their
+        class, until they retire; if the new key's classes then find the
+        registry full, the earlier key's are retired at once (see
+        :meth:`_claim_after_key_change`).
+        """
+        if class_key != self.class_key:
+            self._key_changed_at = self.queue.clock()
         self.class_key = class_key
+
+    def _claim_after_key_change(self, now: float) -> bool:
+        """A release found the class registry full: if the class key changed
+        since the last such reclaim, retire every class unused since the
+        change (the earlier key's: the tagger names only the current key's
+        classes) and say so, so the release claims again.
+
+        Without it, a key with many classes (the six request features) held
+        every slot for the retire time after a switch, and the new key's
+        blocks all went to ``other``, in LRU order (synthetic Bailian trace
+        at 2 % of unique blocks: the real cache ran as LRU for the last
+        1,050 s while the candidate's miniature cache led it by 1 to 1.6 points).
+        """
+        if self._key_changed_at <= self._reclaimed_for:
+            return False
+        self._reclaimed_for = self._key_changed_at
+        return bool(self.queue.retire_idle_classes(now, unused_since=self._key_changed_at))
 
     # ---- hooks -----------------------------------------------------------------------
 
@@ -447,7 +474,6 @@ class BlockTagger:
         blocks make no events: no FREED now and, under hash sampling, no EVICTED later.
         """
         queue = self.queue
-        cls_of = queue.block_class
         sink = self.sink
         key = self.class_key
         now = queue.clock() if now is None else now
@@ -461,6 +487,26 @@ class BlockTagger:
                 if lookup_time[b.block_id] < at:  # noqa: PLR1730 - no call per block
                     lookup_time[b.block_id] = at
         self.retire_idle(now)
+        over_cap = self._mark_classes(key, req, blocks, now)
+        if over_cap and self._claim_after_key_change(now):
+            over_cap = self._mark_classes(key, req, blocks, now)
+        if over_cap:
+            self.releases_over_class_cap += 1
+        if sink is None:
+            return ()
+        if not report:
+            sampled, flagged = queue.sampled, self._flagged_hash
+            for b in blocks:
+                # Flagged as not sampled under the hash it holds, until it holds another.
+                flagged[b.block_id] = b._block_hash
+                sampled[b.block_id] = 0
+            return ()
+        return self._emit_freed(req, blocks, now, [] if self._remember else None)
+
+    def _mark_classes(self, key: ClassKeyFunction, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> bool:
+        """Mark each released block with its class id; True when one went to ``other`` (registry full)."""
+        queue = self.queue
+        cls_of = queue.block_class
         claim = queue.registry.claim
         counts, counted = self.reuse_count, self._counted_hash
         over_cap = False
@@ -480,18 +526,7 @@ class BlockTagger:
                 if cid is None:
                     cid, over_cap = OTHER_ID, True
                 cls_of[bid] = cid
-        if over_cap:
-            self.releases_over_class_cap += 1
-        if sink is None:
-            return ()
-        if not report:
-            sampled, flagged = queue.sampled, self._flagged_hash
-            for b in blocks:
-                # Flagged as not sampled under the hash it holds, until it holds another.
-                flagged[b.block_id] = b._block_hash
-                sampled[b.block_id] = 0
-            return ()
-        return self._emit_freed(req, blocks, now, [] if self._remember else None)
+        return over_cap
 
     def _emit_freed(
         self, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float, reported: list | None

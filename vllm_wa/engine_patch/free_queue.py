@@ -757,8 +757,9 @@ class WorkloadAwareFreeQueue:
             self._sel_dirty = True
         return moved
 
-    def retire_idle_classes(self, now: float) -> list[int]:
-        """Give back the ids of classes unused for the registry's retire time.
+    def retire_idle_classes(self, now: float, unused_since: float = -math.inf) -> list[int]:
+        """Give back the ids of classes unused for the registry's retire time
+        (or since ``unused_since``, if later: the tagger's class key changed).
 
         Their free blocks join the ``default`` class (in free-stamp order, so
         they are scored by the default model); held blocks still marked with
@@ -766,7 +767,7 @@ class WorkloadAwareFreeQueue:
         Runs on the engine thread, between calls; costs a pass over the
         per-block class array when something retires (rarely).
         """
-        retired = self.registry.retire_idle(now)
+        retired = self.registry.retire_idle(now, unused_since)
         if not retired:
             return retired
         moved = 0
