@@ -55,9 +55,9 @@ with a batch-means standard error.
   agentic split's move at 15 % on another arrangement (``--seed 2``) by
   160 s, -0.50 points on the recorded path, and guards nothing: the move
   never leaves a candidate for LRU's order.  Switches between two non-LRU
-  candidates keep the mixture boundary throughout: with the full-window bar for them too, the
-  agentic split at 8 % switched six times instead of twice and lost 0.17
-  points (miniature-cache replay).
+  candidates keep the mixture boundary throughout: with the full-window
+  bar for them too, the agentic split at 8 % switched six times instead of
+  twice and lost 0.17 points (miniature-cache replay).
 * **The short look.** A lead that begins late in a full window is diluted
   by the batches before it.  So once the promotion window is full, a move
   between LRU and a candidate may also rest on the last ``short_window_s``
@@ -98,8 +98,8 @@ with a batch-means standard error.
   bound at 0.95 tested at every refit moved between two of them (agentic
   split at 8 %: five switches instead of three, -0.14 points on the
   recorded miniature-cache path, ``benchmarks/tuner_paths.py``); at 0.99
-  it waited at 15 % until the mixture boundary moved it, at 4,786 s.  So a replacement
-  also needs the running candidate to trail the field: the median hit rate
+  it waited at 15 % until the mixture boundary moved it, at 4,786 s.  So a
+  replacement also needs the running candidate to trail the field: the median hit rate
   of the other non-LRU candidates (per batch) must lead it over the same
   window, at the one-sided Student's t bound ``replace_gate_confidence``
   (0.95).  A candidate among the best passes that test only by a large
