@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
-from vllm_wa.controller.controller import WAController
+from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, forgetting_factor, pooled
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
@@ -974,3 +975,19 @@ def test_controller_scores_classes_that_do_not_separate_by_the_pooled_model(tool
         assert {"tool", "human"} <= set(models)
     else:
         assert not models  # one law: every class is scored by the pooled model (LRU order)
+
+
+def test_the_sample_salt_reaches_the_event_sink_and_is_checked():
+    calls = []
+
+    def install(sink, registry, key, conversations):
+        calls.append(sink)
+        return object(), SimpleNamespace(set_class_key=lambda k: None)
+
+    start_online(ControllerConfig(sample_salt=7, sample_rate=0.5), 1000, install, clock=lambda: 0.0, publish=False)
+    (sink,) = calls
+    assert sink.salt == 7
+    assert ControllerConfig.from_dict({"controller": {"sample_salt": 3}}).sample_salt == 3
+    for bad in (-1, 1 << 64, 0.5, True, "1"):
+        with pytest.raises(ConfigError, match="sample_salt"):
+            ControllerConfig.from_dict({"controller": {"sample_salt": bad}})

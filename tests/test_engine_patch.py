@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -666,3 +667,40 @@ def test_sink_samples_renumbered_trace_ids_by_their_file_ids(rate: float) -> Non
     )
     with pytest.raises(ValueError, match="source_ids"):
         EventSink(source_ids=np.array([3, -1]))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_a_salt_draws_another_sample_of_the_same_size_on_every_path(rate: float) -> None:
+    """Salt 0 is the unsalted sample; another salt picks other hashes (trace
+    ids, renumbered ids, digests), as many, the same way on the one-by-one,
+    one-pass, mask and nested paths, and keys conversations by it."""
+    rng = random.Random(5)
+    ids = rng.sample(range(1 << 40), 4000)
+    digests = [rng.getrandbits(256).to_bytes(32, "little") for _ in range(4000)]
+    assert EventSink(sample_rate=rate, salt=0).sampled_from(ids, 0) == EventSink(sample_rate=rate).sampled_from(ids, 0)
+    plain = EventSink(sample_rate=rate)
+    picks = {}
+    for salt in (1, 2, 12345):
+        sink = EventSink(sample_rate=rate, salt=salt)
+        for hashes in (ids, digests):
+            picked = sink.sampled_from(hashes, 0)
+            assert picked == [h for h in hashes if sink.is_sampled(h)]
+            n = len(hashes)
+            assert abs(len(picked) - rate * n) <= 4.5 * math.sqrt(n * rate * (1 - rate))  # binomial
+            overlap = len(set(picked) & set(plain.sampled_from(hashes, 0))) / len(picked)
+            assert overlap == pytest.approx(rate, abs=0.1)  # independent of the unsalted sample
+            picks[salt, isinstance(hashes[0], bytes)] = set(picked)
+        assert sink.sampled_ids(ids).tolist() == [sink.is_sampled(h) for h in ids]
+        thr = int(rate / 2 * (1 << 64))
+        assert set(sink.subsample(ids, thr)) < set(sink.sampled_from(ids, 0))  # still nested
+        source = np.array(sorted(ids), dtype=np.int64)
+        renumbered = EventSink(sample_rate=rate, source_ids=source, salt=salt)
+        dense = list(range(len(source)))
+        assert [int(source[i]) for i in renumbered.sampled_from(dense, 0)] == sink.sampled_from(source.tolist(), 0)
+        assert ConversationTracker(key_of=renumbered.sample_value).lookup(dense[3:9], 0, 0.0).conversation == (
+            ConversationTracker(key_of=sink.sample_value).lookup(source.tolist()[3:9], 0, 0.0).conversation
+        )
+    assert picks[1, False] != picks[2, False] and picks[1, True] != picks[12345, True]
+    for bad in (-1, 1 << 64, 1.5, True):
+        with pytest.raises(ValueError, match="salt"):
+            EventSink(salt=bad)

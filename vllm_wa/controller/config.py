@@ -100,6 +100,7 @@ class ControllerConfig:
     min_samples: float = 30.0
     class_confidence: float = 0.999
     sample_rate: float | None = None
+    sample_salt: int = 0
     shadow_blocks: int = 4096
     shadow_sampling: str = "block"
     ghost_factor: float = 4.0
@@ -167,11 +168,12 @@ class ControllerConfig:
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
         if self.sample_rate is not None:
             check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
+        check_number("sample_salt", self.sample_salt, ge=0, le=(1 << 64) - 1, integer=True, error=ConfigError)
         check_number("max_classes", self.max_classes, ge=3, le=MAX_CLASS_CAP, integer=True, error=ConfigError)
         # Counts spelled as integral floats (4096.0) are accepted, and kept as ints.
         for name in (
             "shadow_blocks", "event_capacity", "tuner_min_batches", "tuner_min_requests",
-            "tuner_full_window_min_requests", "max_classes",
+            "tuner_full_window_min_requests", "max_classes", "sample_salt",
         ):
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.shadow_sampling not in SHADOW_SAMPLING:

@@ -103,7 +103,10 @@ def start_online(
     """
     rate = config.sample_rate or sample_rate_for(cache_blocks, config.shadow_blocks)
     chain = sample_rate_for(cache_blocks, config.shadow_blocks) if config.shadow_sampling == "chain" else None
-    sink = EventSink(capacity=config.event_capacity, sample_rate=rate, chain_rate=chain, source_ids=source_ids)
+    sink = EventSink(
+        capacity=config.event_capacity, sample_rate=rate, chain_rate=chain, source_ids=source_ids,
+        salt=config.sample_salt,
+    )
     registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = candidate_key(initial) or FeatureKey(("tag",))

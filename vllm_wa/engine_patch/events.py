@@ -29,6 +29,38 @@ _MIX_U64 = np.uint64(_MIX)
 _HASH_IS_IDENTITY = sys.hash_info.modulus
 
 
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_M1_U64, _M2_U64 = np.uint64(_M1), np.uint64(_M2)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def salted(value: int, salt: int) -> int:
+    """A sample value under a sampling salt: splitmix64's finalizer of
+    ``value`` XOR the salt (``value`` itself for salt 0).
+
+    The finalizer is a bijection of 64-bit values, so a uniform value stays
+    uniform (the sample keeps its size, and a nested sample, the values below
+    a smaller threshold, stays nested), and it mixes every bit into the high
+    ones that decide membership, so two salts draw nearly independent samples.
+    """
+    if not salt:
+        return value
+    z = value ^ salt
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def salted_array(values: np.ndarray, salt: int) -> np.ndarray:
+    """:func:`salted` of a uint64 array, in one pass."""
+    if not salt:
+        return values
+    z = values ^ np.uint64(salt)
+    z = (z ^ (z >> _S30)) * _M1_U64
+    z = (z ^ (z >> _S27)) * _M2_U64
+    return z ^ (z >> _S31)
+
+
 class EventKind(IntEnum):
     FREED = 0
     EVICTED = 1
@@ -151,6 +183,10 @@ class EventSink:
     # trace id is sampled by the hash of its file id, so the sample does not
     # depend on how the replay numbers blocks.
     source_ids: np.ndarray | None = None
+    # Which blocks and conversations are sampled: 0 is the default sample,
+    # another value draws another sample of the same size (a replay measures
+    # how much a result owes to the sample drawn).
+    salt: int = 0
     emitted: int = 0
     dropped: int = 0
     _queue: deque = field(default_factory=deque, repr=False)
@@ -167,15 +203,18 @@ class EventSink:
         if self.chain_rate is not None and not 0.0 < float(self.chain_rate) <= 1.0:
             raise ValueError(f"chain_rate must be in (0, 1], got {self.chain_rate!r}")
         self._chain_threshold = -1 if self.chain_rate is None else int(float(self.chain_rate) * (1 << 64))
+        if type(self.salt) is not int or not 0 <= self.salt < (1 << 64):
+            raise ValueError(f"salt must be an integer in [0, 2**64), got {self.salt!r}")
         self._id_values: np.ndarray | None = None
         if self.source_ids is not None:
             src = np.asarray(self.source_ids)
             if src.ndim != 1 or src.dtype.kind not in "iu" or (src.size and src.min() < 0):
                 raise ValueError("source_ids must be a 1-d array of non-negative integer ids")
-            # hash_sample_value of each file id, in one pass.
-            self._id_values = (src % _HASH_IS_IDENTITY).astype(np.uint64) * _MIX_U64
-        # What the per-hash paths call: the plain hash unless there is a table.
-        self._value_of = hash_sample_value if self._id_values is None else self.sample_value
+            # sample_value of each file id, in one pass.
+            self._id_values = salted_array((src % _HASH_IS_IDENTITY).astype(np.uint64) * _MIX_U64, self.salt)
+        # What the per-hash paths call: the plain hash unless there is a table or a salt.
+        plain = self._id_values is None and not self.salt
+        self._value_of = hash_sample_value if plain else self.sample_value
 
     @property
     def samples_all(self) -> bool:
@@ -183,11 +222,12 @@ class EventSink:
 
     def sample_value(self, block_hash: Any) -> int:
         """The 64-bit value a block is sampled by: ``hash_sample_value`` of its
-        hash, or for a renumbered trace id, of its id in the trace file."""
+        hash, or for a renumbered trace id, of its id in the trace file
+        (:func:`salted` by the sink's salt)."""
         values = self._id_values
         if values is not None and type(block_hash) is int:
             return int(values[block_hash])
-        return hash_sample_value(block_hash)
+        return salted(hash_sample_value(block_hash), self.salt)
 
     def is_sampled(self, block_hash: Any) -> bool:
         return self._samples_all or self._value_of(block_hash) < self._threshold
@@ -199,7 +239,7 @@ class EventSink:
             return None
         if self._id_values is not None:
             return self._id_values[ids]
-        return ids.astype(np.uint64) * _MIX_U64
+        return salted_array(ids.astype(np.uint64) * _MIX_U64, self.salt)
 
     def sampled_from(self, hashes: Sequence[Any], start: int) -> list[Any]:
         """The sampled ``hashes`` from ``start`` on, in order.
