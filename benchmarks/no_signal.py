@@ -3,11 +3,12 @@
 Issue 8's "every WA candidate loses" bounds, per seed of the generated trace
 (``vllm_wa.replay.no_signal``): ``wa-online`` within 0.2 points of ``lru`` and
 at most 5 % of the trace's time off LRU. ``make test`` checks seed 0; this
-runs as many seeds as asked, with the default candidate set and the
-controller scaled to the trace (``small_trace_controller``). Any controller
-field can be overridden, for example the class test's confidence:
+runs as many seeds as asked, with the default candidate set (or a TOML
+config's) and the controller scaled to the trace (``small_trace_controller``).
+Any controller field can be overridden, for example the class test's confidence:
 
-    python benchmarks/no_signal.py --seeds 0-5 [--set class_confidence=0.995] [--jobs 2] [--json out.json]
+    python benchmarks/no_signal.py --seeds 0-5 [--set class_confidence=0.995] [--controller-config C] \
+        [--jobs 2] [--json out.json]
 
 ``--conversations 2400 --lengths geometric`` makes the traffic four times
 denser (60 sampled requests a 30-s batch, past the tuner's
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_wa.controller.config import ConfigError, ControllerConfig
 from vllm_wa.replay.no_signal import (
     CONVERSATIONS,
     LENGTHS,
@@ -45,12 +47,14 @@ class Job:
     overrides: dict[str, Any]
     conversations: int = CONVERSATIONS
     lengths: str = "uniform"
+    config: str | None = None  # a TOML controller config (its candidates, its knobs), scaled like the defaults
 
 
 def run_seed(job: Job) -> dict[str, Any]:
     """``lru`` and ``wa-online`` on one seed's trace."""
     trace = no_signal_trace(job.seed, conversations=job.conversations, lengths=job.lengths)
-    cfg = ReplayConfig(controller_config=small_trace_controller(**job.overrides))
+    base = ControllerConfig.load(job.config) if job.config else None
+    cfg = ReplayConfig(controller_config=small_trace_controller(base, **job.overrides))
     setup = prepare(trace, ["lru", "wa-online"], cfg)
     blocks = scaled_cache_blocks(job.conversations)
     lru = run_one(setup.trace, make_policy("lru", setup), blocks, cfg, setup.eval_start)
@@ -110,17 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a controller config field")
     ap.add_argument("--conversations", type=int, default=CONVERSATIONS, help="denser traffic; the cache scales with it")
     ap.add_argument("--lengths", choices=LENGTHS, default="uniform", help="geometric: the turn count tells nothing")
+    ap.add_argument("--controller-config", help="TOML controller config (default: the defaults)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     overrides = parse_overrides(args.set)
     try:
-        small_trace_controller(**overrides)  # a bad field or value stops here, not in a worker
+        base = ControllerConfig.load(args.controller_config) if args.controller_config else None
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    try:
+        small_trace_controller(base, **overrides)  # a bad field or value stops here, not in a worker
     except (TypeError, ValueError) as e:
         raise SystemExit(f"--set: {e}") from e
     if args.conversations < 1:
         raise SystemExit("--conversations must be at least 1")
-    jobs = [Job(s, overrides, args.conversations, args.lengths) for s in parse_seeds(args.seeds)]
+    jobs = [Job(s, overrides, args.conversations, args.lengths, args.controller_config) for s in parse_seeds(args.seeds)]
     t0 = time.perf_counter()
     if args.jobs <= 1:
         rows = [run_seed(j) for j in jobs]
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             blocks = scaled_cache_blocks(args.conversations)
             trace = {"conversations": args.conversations, "lengths": args.lengths, "cache_blocks": blocks}
-            json.dump({"overrides": overrides, "trace": trace, "rows": rows}, f, indent=1)
+            doc = {"overrides": overrides, "controller_config": args.controller_config, "trace": trace, "rows": rows}
+            json.dump(doc, f, indent=1)
     return 0
 
 

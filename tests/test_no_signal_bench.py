@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from vllm_wa.replay.no_signal import CACHE_BLOCKS, no_signal_trace, scaled_cache_blocks
+from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.replay.no_signal import CACHE_BLOCKS, no_signal_trace, scaled_cache_blocks, small_trace_controller
 
 from conftest import load_benchmark
 
@@ -92,3 +93,17 @@ def test_the_cache_scales_with_the_traffic(bench, capsys):
     with pytest.raises(SystemExit, match="conversations"):
         bench.main(["--seeds", "0", "--conversations", "0"])
     assert "seed" not in capsys.readouterr().out
+
+
+def test_a_config_files_candidates_run_on_the_scaled_controller(bench, tmp_path):
+    """``--controller-config`` replaces the candidate set; the small trace's scaling still applies."""
+    path = tmp_path / "c.toml"
+    path.write_text('[[tuner.candidates]]\nfeatures = ["tag"]\nfamily = "exponential"\n')
+    cfg = small_trace_controller(ControllerConfig.load(str(path)), tuner_min_requests=7)
+    assert [c.name for c in cfg.all_candidates] == ["lru", "tag/exp/posterior/L10"]
+    assert (cfg.sample_rate, cfg.tuner_min_requests) == (1.0, 7)
+    assert small_trace_controller().candidates == ControllerConfig().candidates
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tuner]\nno_such_knob = 1\n")
+    with pytest.raises(SystemExit, match="no_such_knob"):
+        bench.main(["--seeds", "0", "--controller-config", str(bad)])

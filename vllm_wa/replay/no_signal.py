@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from dataclasses import replace
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.trace import Trace, TraceRequest
@@ -83,9 +84,10 @@ def scaled_cache_blocks(conversations: int) -> int:
     return max(1, round(CACHE_BLOCKS * conversations / CONVERSATIONS))
 
 
-def small_trace_controller(**overrides: object) -> ControllerConfig:
-    """The controller config of the no-signal runs (``overrides``: any other field)."""
-    base: dict[str, object] = {
+def small_trace_controller(base: ControllerConfig | None = None, **overrides: object) -> ControllerConfig:
+    """The controller config of the no-signal runs: ``base`` (default: the
+    defaults) scaled to the small trace, then ``overrides`` (any other field)."""
+    scaled: dict[str, object] = {
         "refit_interval_s": 5.0,
         "fit_interval_s": 5.0,
         "min_samples": 5,
@@ -95,5 +97,5 @@ def small_trace_controller(**overrides: object) -> ControllerConfig:
         "tuner_min_requests": 50,
         "sample_rate": 1.0,
     }
-    base.update(overrides)
-    return ControllerConfig(**base)  # type: ignore[arg-type]
+    scaled.update(overrides)
+    return replace(base or ControllerConfig(), **scaled)  # type: ignore[arg-type]
