@@ -228,3 +228,38 @@ def test_after_a_key_change_a_full_registry_gives_the_earlier_keys_classes_back(
         serve(m, f"s{i}", 10_000 + 1000 * i, tag)
     assert h.tagger.releases_over_class_cap == 1
     assert h.queue.free_blocks_by_class()["other"] == 2
+
+
+def test_a_late_outcome_after_a_key_change_refiles_into_its_class_not_other(clock):
+    """A reported outcome refiles a released request's blocks under the
+    current key; when the earlier key's classes hold every slot, the refile
+    gives them back as a release does. A registry full without a key change
+    sends the refile to ``other`` and counts that request once."""
+    m = make_manager(80)
+    reg = ClassRegistry(max_classes=6)  # 3 slots past the reserved names; nothing retires by time
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg)
+    h.tagger.set_class_key(FeatureKey(("tag", "outcome")))
+    serve(m, "late", 0, "a_1")  # its class a_1.o:stop, before the switch
+    clock.advance(1.0)
+    h.tagger.set_class_key(FeatureKey(("tag",)))
+    clock.advance(1.0)
+    for i, tag in enumerate(("b_1", "c_1")):
+        serve(m, f"r{i}", 1000 * (i + 1), tag)
+    # Registry: a_1.o:stop (the earlier key's), b_1, c_1: full.
+    assert sorted(h.registry.used_names()) == ["a_1.o:stop", "b_1", "c_1"]
+    clock.advance(1.0)
+    h.tagger.set_class_key(FeatureKey(("tag", "outcome")))
+    clock.advance(1.0)
+    assert h.tagger.reclassify("late", "tool") == 2
+    by_class = h.queue.free_blocks_by_class()
+    assert by_class.get("a_1.o:tool") == 2 and "other" not in by_class
+    assert h.tagger.refiles_over_class_cap == 0 and h.tagger.releases_over_class_cap == 0
+    h.queue.check_invariants()
+    # No key change since: the refile's new class finds the registry full and goes to other, counted once.
+    serve(m, "late2", 10_000, "b_1")
+    serve(m, "s0", 11_000, "c_1")
+    assert sorted(h.registry.used_names()) == ["a_1.o:tool", "b_1.o:stop", "c_1.o:stop", "default"]
+    assert h.tagger.reclassify("late2", "tool") == 2
+    assert h.tagger.refiles_over_class_cap == 1 and h.tagger.releases_over_class_cap == 0
+    assert h.queue.free_blocks_by_class()["other"] == 2
+    h.queue.check_invariants()

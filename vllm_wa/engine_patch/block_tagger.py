@@ -151,8 +151,10 @@ class BlockTagger:
         self.tag_counters = TagCounters()
         classes = queue.registry
         self.tags = tags if tags is not None else ClassRegistry(classes.max_classes, classes.retire_after_s)
-        # Releases whose blocks went to ``other`` because every class slot was taken.
+        # Releases whose blocks went to ``other`` because every class slot was
+        # taken, and late outcomes whose refiled blocks did.
         self.releases_over_class_cap = 0
+        self.refiles_over_class_cap = 0
         # Tag of each request seen and not finished: counted once, at first sight.
         self._live_tags: OrderedDict[str, str] = OrderedDict()
         retire_s = min(classes.retire_after_s, self.tags.retire_after_s)
@@ -611,8 +613,8 @@ class BlockTagger:
         blocks = self.blocks
         key = self.class_key
         now = queue.clock()
-        reg_id = queue.registry.id_of
         by_class: dict[int, list[KVCacheBlock]] = {}
+        over_cap = False
         for ids, hashes in zip(rec.block_ids, rec.block_hashes):
             for pos, (bid, h) in enumerate(zip(ids, hashes)):
                 if bid < 0 or owner[bid] != rec.serial:
@@ -622,18 +624,32 @@ class BlockTagger:
                     # Evicted since, and reused where no remembered release
                     # saw it (a sliding-window group frees blocks mid-request).
                     continue
-                cid = reg_id(key(req, pos, self.reuse_count[bid]), now)
+                cid = self._refile_class(key(req, pos, self.reuse_count[bid]), now)
+                if cid is None:
+                    cid, over_cap = OTHER_ID, True
                 if b.next_free_block is None:
                     # Still held (a deferred free): it is filed at its release.
                     queue.block_class[bid] = cid
                 else:
                     by_class.setdefault(cid, []).append(b)
+        if over_cap:
+            self.refiles_over_class_cap += 1
         moved = 0
         for cid, bs in by_class.items():
             # Refile in free order (oldest first) so scans from the tail stay short.
             bs.sort(key=lambda b: queue.stamp[b.block_id])
             moved += queue.refile(bs, cid)
         return moved
+
+    def _refile_class(self, name: str, now: float) -> int | None:
+        """The id of a refiled block's class; None when the registry is full,
+        after giving back the earlier key's classes if the key changed (as a
+        release does: :meth:`_claim_after_key_change`)."""
+        claim = self.queue.registry.claim
+        cid = claim(name, now)
+        if cid is None and self._claim_after_key_change(now):
+            cid = claim(name, now)
+        return cid
 
     def forget(self, request_id: str, now: float | None = None) -> None:
         """A request left without holding blocks (it did not fit, or was aborted

@@ -240,6 +240,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
         "tags_invalid": t.tag_counters.invalid,
         "tags_over_class_cap": t.tag_counters.over_cap,
         "releases_over_class_cap": t.releases_over_class_cap,
+        "refiles_over_class_cap": t.refiles_over_class_cap,
         "outcomes_reclassified": t.reclassified_requests,
         "invalid_outcome_reports": ewa.invalid_reports,
         "outcome_reports_dropped": ewa.reports_over_limit,

@@ -40,6 +40,10 @@ ENGINE_COUNTERS = {
         "vllm_wa_releases_over_class_cap",
         "Block releases filed under 'other' because the eviction-class registry was full.",
     ),
+    "refiles_over_class_cap": (
+        "vllm_wa_refiles_over_class_cap",
+        "Reported outcomes whose refiled blocks went to 'other' because the eviction-class registry was full.",
+    ),
     "outcomes_reclassified": (
         "vllm_wa_outcomes_reclassified",
         "Requests whose blocks a reported reply outcome (a tool call, a hint) re-filed.",
