@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import time
 from dataclasses import replace
@@ -35,6 +34,7 @@ from vllm_wa.controller.config import ALL_REQUEST_FEATURES, CandidateSpec, Contr
 from vllm_wa.controller.features import FEATURES
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
+from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, SweepSetup, make_policy, prepare, resolve_sizes, run_one
 from vllm_wa.replay.trace_cache import load_trace_cached
 
@@ -98,13 +98,8 @@ def ablation(
     _SETUP = (setup, base, size, score)
     done: dict[Task, dict[str, Any]] = {}
     try:
-        if jobs <= 1:
-            for task in tasks:
-                done[task] = _run(task)[1]
-        else:
-            with mp.get_context("fork").Pool(jobs) as pool:
-                for task, out in pool.imap_unordered(_run, tasks):
-                    done[task] = out
+        for task, out in map_jobs(_run, tasks, jobs, ordered=False):
+            done[task] = out
     finally:
         _SETUP = None
     lru, opt = done[("lru", None, "free", 0)]["token_hit_rate"], done[("opt", None, "free", 0)]["token_hit_rate"]

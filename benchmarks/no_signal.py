@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from vllm_wa.replay.no_signal import (
     scaled_cache_blocks,
     small_trace_controller,
 )
+from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
 
 
@@ -131,11 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--conversations must be at least 1")
     jobs = [Job(s, overrides, args.conversations, args.lengths, args.controller_config) for s in parse_seeds(args.seeds)]
     t0 = time.perf_counter()
-    if args.jobs <= 1:
-        rows = [run_seed(j) for j in jobs]
-    else:
-        with mp.get_context("fork").Pool(args.jobs) as pool:
-            rows = pool.map(run_seed, jobs)
+    rows = list(map_jobs(run_seed, jobs, args.jobs))
     print(format_table(rows))
     print(f"took {time.perf_counter() - t0:.0f} s")
     if args.json:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -30,6 +29,7 @@ from typing import Any
 from vllm_wa.controller.config import ConfigError, ControllerConfig
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
+from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one
 from vllm_wa.replay.trace_cache import load_trace_cached
 
@@ -127,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for salt in (None, *salts)
     ]
     t0 = time.perf_counter()
-    if args.jobs <= 1:
-        done = [run(j) for j in jobs]
-    else:
-        with mp.get_context("fork").Pool(args.jobs) as pool:
-            done = pool.map(run, jobs)
+    done = list(map_jobs(run, jobs, args.jobs))
     rows = []
     for size in sizes:
         mine = [(j, r, n) for j, r, n in done if j.size == size]

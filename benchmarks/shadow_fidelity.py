@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ import numpy as np
 from vllm_wa.controller.config import SHADOW_SAMPLING, ControllerConfig
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
+from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes, run_one
 from vllm_wa.replay.trace import Trace
@@ -178,18 +178,10 @@ def fidelity(
     done: dict[tuple[str, int, str], dict[str, Any]] = {}
     t0 = time.perf_counter()
     try:
-        if jobs <= 1:
-            it = map(_run_task, tasks)
-            for task, out in it:
-                done[task] = out
-                if progress:
-                    progress(f"{trace.name}: {task[0]} {task[2]} @ {task[1]} ({out['wall_s']:.0f} s)")
-        else:
-            with mp.get_context("fork").Pool(jobs) as pool:
-                for task, out in pool.imap_unordered(_run_task, tasks):
-                    done[task] = out
-                    if progress:
-                        progress(f"{trace.name}: {task[0]} {task[2]} @ {task[1]} ({out['wall_s']:.0f} s)")
+        for task, out in map_jobs(_run_task, tasks, jobs, ordered=False):
+            done[task] = out
+            if progress:
+                progress(f"{trace.name}: {task[0]} {task[2]} @ {task[1]} ({out['wall_s']:.0f} s)")
     finally:
         _SETUP = None
     sizes_out = []

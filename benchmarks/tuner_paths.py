@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import multiprocessing as mp
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -41,6 +40,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.tuner import LRU, Switch, Tuner, TunerSettings
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
+from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes, run_one
 from vllm_wa.replay.trace_cache import load_trace_cached
 
@@ -205,13 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                       os.path.join(args.out, f"{stem}{cut}{seed}_{s.replace('%', 'pct')}.json.gz"), args.seed)
             for s in args.sizes.split(",")
         ]
-        if args.jobs <= 1:
-            for line in map(record, jobs):
-                print(line, flush=True)
-        else:
-            with mp.get_context("fork").Pool(args.jobs) as pool:
-                for line in pool.imap_unordered(record, jobs):
-                    print(line, flush=True)
+        for line in map_jobs(record, jobs, args.jobs, ordered=False):
+            print(line, flush=True)
         return 0
     overrides = parse_overrides(args.set)
     print(f"{'recording':48s} {'real':>7s} {'lru':>7s} {'recorded':>9s} {'path':>7s} {'delta':>6s} switches")

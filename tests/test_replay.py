@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import tarfile
 from array import array
 from dataclasses import replace
@@ -17,6 +18,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.params import WAParams
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
+from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep, swap_tags
@@ -856,3 +858,16 @@ def test_profile_counts_every_reuse_and_gap_the_scan_does(monkeypatch, seed, int
         assert seen["r"] == reuses
         assert {c: list(g) for c, g in seen["g"].items()} == gaps
         assert sum(reuses.values()) > 20
+
+
+def _square_and_pid(x: int) -> tuple[int, int]:
+    return x * x, os.getpid()
+
+
+def test_map_jobs_keeps_order_or_yields_as_finished_and_runs_in_process_with_one_job():
+    items = list(range(12))
+    serial = list(map_jobs(_square_and_pid, items, 1))
+    assert [v for v, _ in serial] == [x * x for x in items] and {p for _, p in serial} == {os.getpid()}
+    ordered = list(map_jobs(_square_and_pid, items, 2))
+    assert [v for v, _ in ordered] == [x * x for x in items] and os.getpid() not in {p for _, p in ordered}
+    assert sorted(v for v, _ in map_jobs(_square_and_pid, items, 2, ordered=False)) == [x * x for x in items]

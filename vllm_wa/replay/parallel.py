@@ -1,0 +1,24 @@
+"""Independent replays in forked worker processes (the benchmarks' sweeps).
+
+Forked, so a trace the parent loaded is shared copy-on-write instead of being
+pickled to every worker; with one job everything runs in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def map_jobs(fn: Callable[[T], R], items: Iterable[T], jobs: int, *, ordered: bool = True) -> Iterator[R]:
+    """``fn`` of each item, on ``jobs`` processes: in the items' order, or
+    (``ordered`` False) as each finishes, so progress can be printed."""
+    if jobs <= 1:
+        yield from map(fn, items)
+        return
+    with mp.get_context("fork").Pool(jobs) as pool:
+        yield from (pool.imap if ordered else pool.imap_unordered)(fn, items)
