@@ -37,6 +37,7 @@ from vllm_wa.replay.no_signal import (
 )
 from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
+from vllm_wa.validation import parse_int_range
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,6 @@ def run_seed(job: Job) -> dict[str, Any]:
         "off_lru_share": (total - on.get("lru", 0.0)) / total if total else 0.0,
         "switches": wa.extra["switches"],
     }
-
-
-def parse_seeds(spec: str) -> list[int]:
-    """``"0-5"`` or ``"0,3,7"``."""
-    if "-" in spec:
-        lo, hi = spec.split("-", 1)
-        return list(range(int(lo), int(hi) + 1))
-    return [int(s) for s in spec.split(",")]
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -129,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--set: {e}") from e
     if args.conversations < 1:
         raise SystemExit("--conversations must be at least 1")
-    jobs = [Job(s, overrides, args.conversations, args.lengths, args.controller_config) for s in parse_seeds(args.seeds)]
+    try:
+        seeds = parse_int_range("--seeds", args.seeds)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    jobs = [Job(s, overrides, args.conversations, args.lengths, args.controller_config) for s in seeds]
     t0 = time.perf_counter()
     rows = list(map_jobs(run_seed, jobs, args.jobs))
     print(format_table(rows))

@@ -26,54 +26,36 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_wa.controller.config import ConfigError, ControllerConfig
+from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
 from vllm_wa.replay.parallel import map_jobs
-from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one
+from vllm_wa.replay.runner import ReplayConfig, SweepSetup, make_policy, prepare, resolve_sizes, run_one
 from vllm_wa.replay.trace_cache import load_trace_cached
+from vllm_wa.validation import parse_int_range
+
+_SETUP: tuple[SweepSetup, ControllerConfig] | None = None  # set in the parent, shared by the forked workers
 
 
 @dataclass(frozen=True)
 class Job:
     """One run: ``lru`` (salt None) or ``wa-online`` at one salt, at one size."""
 
-    trace: str
-    size: str
+    size: str  # as asked (the table's label)
+    blocks: int
     salt: int | None
-    config: str | None
-    cut: float | None = None
-    seed: int = 0  # agentic traces: the seed of the conversations' offsets
 
 
 def run(job: Job) -> tuple[Job, float, int]:
     """The job's token hit rate and its number of switches (0 for ``lru``)."""
-    base = ControllerConfig.load(job.config) if job.config else ControllerConfig()
-    trace = load_trace_cached(job.trace, agentic=AgenticOptions(seed=job.seed), cut=job.cut)
-    cfg = ReplayConfig(controller_config=base)
-    setup = prepare(trace, ["lru", "wa-online"], cfg)
-    blocks = resolve_sizes(job.size, setup.trace, setup.eval_start)[0]
+    assert _SETUP is not None
+    setup, base = _SETUP
     if job.salt is None:
-        res = run_one(setup.trace, make_policy("lru", setup), blocks, cfg, setup.eval_start)
+        res = run_one(setup.trace, make_policy("lru", setup), job.blocks, setup.cfg, setup.eval_start)
         return job, res.token_hit_rate, 0
     policy = OnlineWAPolicy.create(replace(base, sample_salt=job.salt), setup.trace)
-    res = run_one(setup.trace, policy, blocks, cfg, setup.eval_start)
+    res = run_one(setup.trace, policy, job.blocks, setup.cfg, setup.eval_start)
     return job, res.token_hit_rate, len(res.extra["switches"])
-
-
-def parse_salts(spec: str) -> list[int]:
-    """``"0-4"`` or ``"0,3,7"``."""
-    try:
-        if "-" in spec:
-            lo, hi = spec.split("-", 1)
-            salts = list(range(int(lo), int(hi) + 1))
-        else:
-            salts = [int(s) for s in spec.split(",")]
-    except ValueError:
-        raise SystemExit(f"--salts takes 0-4 or 0,3,7, got {spec!r}") from None
-    if not salts or min(salts) < 0:
-        raise SystemExit(f"--salts needs non-negative salts, got {spec!r}")
-    return salts
 
 
 def summarize(size: str, lru: float, runs: list[tuple[int, float, int]]) -> dict[str, Any]:
@@ -114,20 +96,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
-    salts = parse_salts(args.salts)
-    if args.controller_config:
-        try:
-            ControllerConfig.load(args.controller_config)  # a bad config stops here, not in a worker
-        except ConfigError as e:
-            raise SystemExit(str(e)) from None
+    try:
+        salts = parse_int_range("--salts", args.salts)
+        base = ControllerConfig.load(args.controller_config) if args.controller_config else ControllerConfig()
+    except ValueError as e:  # ConfigError too: a bad salt or config stops here, before the trace loads
+        raise SystemExit(str(e)) from None
     sizes = [s for s in args.sizes.split(",") if s]
-    jobs = [
-        Job(args.trace, size, salt, args.controller_config, args.cut, args.seed)
-        for size in sizes
-        for salt in (None, *salts)
-    ]
     t0 = time.perf_counter()
-    done = list(map_jobs(run, jobs, args.jobs))
+    trace = load_trace_cached(args.trace, agentic=AgenticOptions(seed=args.seed), cut=args.cut)
+    cfg = ReplayConfig(controller_config=base)
+    setup = prepare(trace, ["lru", "wa-online"], cfg)
+    try:
+        blocks = {size: resolve_sizes(size, setup.trace, setup.eval_start)[0] for size in sizes}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    jobs = [Job(size, blocks[size], salt) for size in sizes for salt in (None, *salts)]
+    global _SETUP
+    _SETUP = (setup, base)
+    try:
+        done = list(map_jobs(run, jobs, args.jobs))
+    finally:
+        _SETUP = None
     rows = []
     for size in sizes:
         mine = [(j, r, n) for j, r, n in done if j.size == size]

@@ -8,6 +8,7 @@ import pytest
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.no_signal import CACHE_BLOCKS, no_signal_trace, scaled_cache_blocks, small_trace_controller
+from vllm_wa.validation import parse_int_range
 
 from conftest import load_benchmark
 
@@ -17,9 +18,15 @@ def bench():
     return load_benchmark("no_signal")
 
 
-def test_seed_ranges_and_lists(bench):
-    assert bench.parse_seeds("0-3") == [0, 1, 2, 3]
-    assert bench.parse_seeds("3,7") == [3, 7]
+def test_seed_ranges_and_lists(bench, capsys):
+    assert parse_int_range("--seeds", "0-3") == [0, 1, 2, 3]
+    assert parse_int_range("--seeds", "3,7") == [3, 7]
+    for bad in ("x", "-1", "2-1", "3,-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_int_range("--seeds", bad)
+    with pytest.raises(SystemExit, match="--seeds"):
+        bench.main(["--seeds", "x"])
+    assert "seed " not in capsys.readouterr().out  # nothing ran
 
 
 def test_overrides_parse_numbers_and_strings(bench):

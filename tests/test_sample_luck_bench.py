@@ -11,6 +11,7 @@ from vllm_wa.cli import sample_path
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one
+from vllm_wa.validation import parse_int_range
 
 from conftest import load_benchmark
 
@@ -20,12 +21,13 @@ def bench():
     return load_benchmark("sample_luck")
 
 
-def test_salt_ranges_and_lists(bench):
-    assert bench.parse_salts("0-3") == [0, 1, 2, 3]
-    assert bench.parse_salts("3,7") == [3, 7]
+def test_salt_ranges_and_lists(bench, capsys):
+    assert parse_int_range("--salts", "0-3") == [0, 1, 2, 3]
+    assert parse_int_range("--salts", "3,7") == [3, 7]
     for bad in ("x", "-1", "2-1"):
         with pytest.raises(SystemExit, match="salts"):
-            bench.parse_salts(bad)
+            bench.main(["trace-not-read", "--sizes", "5%", "--salts", bad])
+    assert "token hit rate" not in capsys.readouterr().out
 
 
 def test_a_bad_config_stops_before_any_run(bench, tmp_path, capsys):

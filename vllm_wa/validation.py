@@ -58,3 +58,22 @@ def short_repr(value: Any) -> str:
     except ValueError:  # an int past Python's digit limit
         return f"an integer of {value.bit_length()} bits"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_int_range(where: str, spec: str) -> list[int]:
+    """Non-negative integers spelled ``"0-4"`` (both ends included) or ``"0,3,7"``.
+
+    Raises ValueError naming ``where`` for anything else (a negative number,
+    an empty or reversed range).
+    """
+    try:
+        if "-" in spec:
+            lo, hi = spec.split("-", 1)
+            values = list(range(int(lo), int(hi) + 1))
+        else:
+            values = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"{where} takes 0-4 or 0,3,7, got {short_repr(spec)}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"{where} needs non-negative integers, got {short_repr(spec)}")
+    return values
