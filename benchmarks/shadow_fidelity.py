@@ -30,12 +30,13 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from vllm_wa.controller.config import SHADOW_SAMPLING, ControllerConfig
+from vllm_wa.controller.tuner import Tuner
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.online_policy import OnlineWAPolicy
 from vllm_wa.replay.parallel import map_jobs
@@ -43,12 +44,13 @@ from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes, run_one
 from vllm_wa.replay.trace import Trace
 from vllm_wa.replay.trace_cache import load_trace_cached
+from vllm_wa.replay.tuner_probe import TunerProbePolicy
 
 LRU = "lru"
 
 
 @dataclass
-class ProbedOnlinePolicy(OnlineWAPolicy):
+class ProbedOnlinePolicy(TunerProbePolicy):
     """``wa-online`` that also sums every miniature cache's sampled hits from ``eval_start`` on.
 
     The sums are taken where the tuner takes them (``Tuner.record``: one call
@@ -61,26 +63,15 @@ class ProbedOnlinePolicy(OnlineWAPolicy):
     hits: np.ndarray | None = None
     lookups: int = 0
     requests: int = 0
-    _wrapped: bool = field(default=False, repr=False)
 
-    def advance(self, now: float) -> None:
-        if not self._wrapped and self.controller is not None:
-            self._wrap(self.controller.tuner)
-        super().advance(now)
-
-    def _wrap(self, tuner: Any) -> None:
-        record = tuner.record
+    def on_tap(self, tuner: Tuner) -> None:
         self.hits = np.zeros(len(tuner.names), dtype=np.int64)
 
-        def probe(t: float, lookups: int, hits: list[int]) -> None:
-            record(t, lookups, hits)
-            if t >= self.eval_start:
-                self.hits += hits
-                self.lookups += lookups
-                self.requests += 1
-
-        tuner.record = probe
-        self._wrapped = True
+    def on_record(self, t: float, lookups: int, hits: list[int]) -> None:
+        if t >= self.eval_start and self.hits is not None:
+            self.hits += hits
+            self.lookups += lookups
+            self.requests += 1
 
     def flush(self) -> None:
         """Feed the miniature caches the lookups queued since the last refit."""

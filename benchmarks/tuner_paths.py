@@ -39,37 +39,25 @@ from typing import Any
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.tuner import LRU, Switch, Tuner, TunerSettings
 from vllm_wa.replay.loaders import AgenticOptions
-from vllm_wa.replay.online_policy import OnlineWAPolicy
 from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes, run_one
 from vllm_wa.replay.trace_cache import load_trace_cached
+from vllm_wa.replay.tuner_probe import TunerProbePolicy
 
 
 @dataclass
-class RecordingOnlinePolicy(OnlineWAPolicy):
+class RecordingOnlinePolicy(TunerProbePolicy):
     """``wa-online`` that keeps every row the tuner is fed."""
 
     rows: list[list[float]] = field(default_factory=list)
     # (rows recorded before it, time) of every decision, in call order.
     decisions: list[tuple[int, float]] = field(default_factory=list)
-    _wrapped: bool = field(default=False, repr=False)
 
-    def advance(self, now: float) -> None:
-        if not self._wrapped and self.controller is not None:
-            tuner = self.controller.tuner
-            record, decide = tuner.record, tuner.decide
+    def on_record(self, t: float, lookups: int, hits: list[int]) -> None:
+        self.rows.append([t, lookups, *(int(h) for h in hits)])
 
-            def record_probe(t: float, lookups: int, hits: list[int]) -> None:
-                record(t, lookups, hits)
-                self.rows.append([t, lookups, *(int(h) for h in hits)])
-
-            def decide_probe(t: float) -> Switch | None:
-                self.decisions.append((len(self.rows), t))
-                return decide(t)
-
-            tuner.record, tuner.decide = record_probe, decide_probe
-            self._wrapped = True
-        super().advance(now)
+    def on_decide(self, t: float) -> None:
+        self.decisions.append((len(self.rows), t))
 
 
 # ---- record ------------------------------------------------------------------------------------
