@@ -552,6 +552,58 @@ def test_past_the_finest_class_cap_new_classes_keep_their_tag_and_outcome(monkey
     assert FeatureKey(("tag", "outcome")).name_of(c._fine[folded]) == "fresh.o:tool"
 
 
+def test_finest_classes_unused_for_the_retire_time_give_their_slots_back(monkeypatch):
+    """A server whose tags change: once the table is half full, a finest class
+    with nothing freed into it, reused or censored for ``class_retire_s`` and
+    no block still watched gives its slot back, so a new tag gets classes of its own again
+    (without it, past the cap it folds, then becomes "other", for good). The
+    kept classes keep their observations, watched blocks and lookup counts."""
+    import vllm_wa.controller.controller as mod
+
+    monkeypatch.setattr(mod, "MAX_FINE_CLASSES", 4)
+    monkeypatch.setattr(mod, "RETIRE_FINE_AT", 2)
+    monkeypatch.setattr(mod, "FOLDED_ROOM", 1)
+    now = [0.0]
+    sink = EventSink(capacity=1 << 12)
+    c = WAController(small_config(class_retire_s=100.0), 200, Applied(), sink, clock=lambda: now[0])
+    key = FeatureKey(("tag", "outcome"))
+
+    def free(t: float, tag: str, block: str) -> None:
+        sink.emit(FreedEvent(EventKind.FREED, t, block, RequestTags(f"r-{tag}-{t}", tag, "stop"), 0, 0))
+
+    def lookup(t: float, *blocks: str) -> None:
+        sink.emit(LookupEvent(EventKind.LOOKUP, t, f"q{t}", "chat", blocks, ()))
+
+    for tag in ("old0", "old1", "watched", "kept"):
+        free(0.0, tag, f"{tag}-0")
+    lookup(5.0, "old0-0", "old1-0", "kept-0")  # three come back; "watched-0" stays watched
+    now[0] = 10.0
+    c.refit()
+    assert c.finest_classes == 4 and c.finest_retired == 0
+    kept_events = c._class_data(key, None)["kept.o:stop"].n_events
+
+    free(150.0, "kept", "kept-1")
+    now[0] = 150.0
+    c.refit()  # old0 and old1: nothing freed since t = 10, nothing watched
+    assert c.errors == 0
+    assert c.finest_retired == 2 and c.finest_classes == 2
+    data = c._class_data(key, None)
+    assert set(data) == {"watched.o:stop", "kept.o:stop"}
+    kept = forgetting_factor(140.0, c.config.memory_s)  # what 140 s of forgetting leaves
+    assert data["kept.o:stop"].n_events == pytest.approx(kept_events * kept)
+    assert data["kept.o:stop"].groups == pytest.approx(kept)
+
+    free(160.0, "new", "new-0")  # a new tag: its own class, not folded
+    lookup(170.0, "watched-0", "new-0")  # the renumbered watched block is still its own class's
+    now[0] = 170.0
+    c.refit()
+    assert c.finest_folded == 0 and ("new", "stop") in {comps[:2] for comps in c._fine}
+    data = c._class_data(key, None)
+    one = forgetting_factor(20.0, c.config.memory_s)  # one reuse each, 20 s of forgetting
+    assert data["watched.o:stop"].n_events == pytest.approx(one) and data["new.o:stop"].n_events == pytest.approx(one)
+    assert c.state()["finest_classes_retired"] == 2
+
+
 def test_a_drift_forgets_lookups_in_every_key_that_counts_them():
     """A drift scales a finest class's lookups down; a key's class never
     counts more lookups than its finest classes still hold."""

@@ -233,10 +233,12 @@ def test_engine_totals_are_counters_and_labels_are_bounded(engine):
     fams = scrape(snapshots)
     for name in ("vllm_wa_param_swaps", "vllm_wa_refits", "vllm_wa_controller_errors", "vllm_wa_checkpoint_errors",
                  "vllm_wa_events_dropped", "vllm_wa_invalid_tags", "vllm_wa_evicted_blocks", "vllm_wa_freed_blocks",
-                 "vllm_wa_prefix_cache_hit_tokens", "vllm_wa_prefix_cache_queried_tokens"):
+                 "vllm_wa_prefix_cache_hit_tokens", "vllm_wa_prefix_cache_queried_tokens",
+                 "vllm_wa_finest_classes_retired", "vllm_wa_finest_folded_observations"):
         assert fams[name].type == "counter", name
         assert all(s.name == name + "_total" for s in fams[name].samples if not s.name.endswith("_created"))
     assert fams["vllm_wa_params_version"].type == "gauge"
+    assert fams["vllm_wa_finest_classes"].type == "gauge"
     tags = {s.labels["tag"] for s in fams["vllm_wa_prefix_cache_queried_tokens"].samples}
     classes = {s.labels["class"] for s in fams["vllm_wa_freed_blocks"].samples}
     assert tags == {"agent_1", "chat_1"}

@@ -59,6 +59,12 @@ logger = logging.getLogger(__name__)
 MAX_FINE_CLASSES = 4096
 # Finest classes past the cap that keep their tag and outcome (a tag cap's worth of outcomes).
 FOLDED_ROOM = 1024
+# Once the table holds this many, a finest class with no block freed into it,
+# reused or censored for ``class_retire_s`` and none still watched gives its slot back (checked
+# every tenth of that time), so a long-running server whose tags change keeps
+# learning the new ones instead of folding them, and then filing them as
+# "other", for good. The development traces use at most about 1,500.
+RETIRE_FINE_AT = MAX_FINE_CLASSES // 2
 # Finest classes with blocks still watched, and those blocks' censored counts per bin.
 AtRisk = tuple[np.ndarray, np.ndarray] | None
 
@@ -166,6 +172,13 @@ class WAController:
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
         self.estimators: list[ReuseEstimator] = []
+        # When each finest class last had a block freed into it, reused or
+        # censored (as of a refit), and those that have had one since the last refit.
+        self._fine_used_at: list[float] = []
+        self._fine_touched: set[int] = set()
+        self._next_fine_retire = -math.inf
+        self.finest_retired = 0  # finest classes given back (see RETIRE_FINE_AT)
+        self.finest_folded = 0  # block observations filed under a folded class (the table was full)
         # The finest classes' observations, one row each (forgotten and pooled for all at once).
         self._bank = SurvivalBank()
         # Per class key: its class names (in order of first finest class),
@@ -239,30 +252,70 @@ class WAController:
     def _fine_id(self, comps: tuple) -> int:
         fid = self._fine_ids.get(comps)
         if fid is None:
-            if len(self._fine) >= MAX_FINE_CLASSES:
-                # Full: keep the tag and outcome (every key has them to
-                # tell apart), fold the rest; past some room for those, all is other.
-                comps = comps[:2] + self._other_fine[2:]
-                if len(self._fine) >= MAX_FINE_CLASSES + FOLDED_ROOM and comps not in self._fine_ids:
-                    comps = self._other_fine
-                fid = self._fine_ids.get(comps)
-                if fid is not None:
-                    return fid
-            fid = len(self._fine)
-            self._fine_ids[comps] = fid
-            self._fine.append(comps)
-            self.estimators.append(
-                ReuseEstimator(self.config.drift_delta, self.config.drift_forget, self._bank.new_row())
-            )
+            fid = self._new_fine_id(comps)
+        self._fine_touched.add(fid)
         return fid
+
+    def _new_fine_id(self, comps: tuple) -> int:
+        if len(self._fine) >= MAX_FINE_CLASSES:
+            # Full: keep the tag and outcome (every key has them to
+            # tell apart), fold the rest; past some room for those, all is other.
+            self.finest_folded += 1
+            comps = comps[:2] + self._other_fine[2:]
+            if len(self._fine) >= MAX_FINE_CLASSES + FOLDED_ROOM and comps not in self._fine_ids:
+                comps = self._other_fine
+            fid = self._fine_ids.get(comps)
+            if fid is not None:
+                return fid
+        fid = len(self._fine)
+        self._fine_ids[comps] = fid
+        self._fine.append(comps)
+        self._fine_used_at.append(-math.inf)
+        self.estimators.append(ReuseEstimator(self.config.drift_delta, self.config.drift_forget, self._bank.new_row()))
+        return fid
+
+    def _retire_fine(self, now: float) -> None:
+        """Give back the finest classes unused for ``class_retire_s`` (see :data:`RETIRE_FINE_AT`).
+
+        The table is renumbered: the kept classes keep their observations,
+        their watched blocks and (by name) each key's lookup counts.
+        """
+        used_at = self._fine_used_at
+        for fid in self._fine_touched:
+            used_at[fid] = now
+        self._fine_touched.clear()
+        if len(self._fine) < RETIRE_FINE_AT or now < self._next_fine_retire:
+            return
+        retire_s = self.config.class_retire_s
+        self._next_fine_retire = now + max(1.0, retire_s / 10.0)
+        watched = self.tracker.classes()
+        keep = [f for f in range(len(self._fine)) if used_at[f] > now - retire_s or f in watched]
+        if len(keep) == len(self._fine):
+            return
+        new_id = np.full(len(self._fine), -1, dtype=np.intp)
+        new_id[keep] = np.arange(len(keep))
+        self.finest_retired += len(self._fine) - len(keep)
+        self._fine = [self._fine[f] for f in keep]
+        self._fine_ids = {comps: i for i, comps in enumerate(self._fine)}
+        self.estimators = [self.estimators[f] for f in keep]
+        self._fine_used_at = [used_at[f] for f in keep]
+        self._bank.keep(keep)
+        self.tracker.renumber(new_id)
+        for key, (names, _, _, groups) in list(self._labels.items()):
+            counts = dict(zip(names, groups))
+            self._labels[key] = ([], {}, [], [])
+            new_names, _ = self._key_labels(key)
+            self._labels[key][3][:] = [counts.get(name, 0.0) for name in new_names]
 
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
         """The reuses one lookup found in a finest class (see ``ReuseEstimator.update_many``)."""
         self._found.append(fid)
+        self._fine_touched.add(fid)
         if self.estimators[fid].update_many(gaps):
             self.drift_events.append({"time": t, "class": FINEST.name_of(self._fine[fid])})
 
     def _on_censored(self, fid: int, exposure: float) -> None:
+        self._fine_touched.add(fid)
         self.estimators[fid].censor(exposure)
 
     def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
@@ -282,6 +335,11 @@ class WAController:
         if thr >= 1 << 64:
             return list(ev.hashes)
         return self.sink.subsample(ev.hashes, thr)
+
+    @property
+    def finest_classes(self) -> int:
+        """Finest classes with a slot in the table (at most the cap plus its folded room)."""
+        return len(self._fine)
 
     @property
     def active(self) -> str:
@@ -346,6 +404,7 @@ class WAController:
                     groups[:] = [g * factor for g in groups]
         self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
         self.tracker.expire(now)
+        self._retire_fine(now)
         for cand in self.candidates.values():
             cand.shadow.expire(now, self.config.max_watch_s)
         if now - self._last_fit >= self.config.fit_interval_s:
@@ -633,7 +692,9 @@ class WAController:
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
             "events_dropped": self.sink.dropped,
-            "finest_classes": len(self._fine),
+            "finest_classes": self.finest_classes,
+            "finest_classes_retired": self.finest_retired,
+            "finest_folded": self.finest_folded,
             "watched_blocks": len(self.tracker.watch),
             "ghost_blocks": len(self.tracker.ghost),
             "sample_rate": self.sink.sample_rate,

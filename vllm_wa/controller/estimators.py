@@ -140,6 +140,20 @@ class SurvivalBank:
         self.rows.append(d)
         return d
 
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order), renumbered from 0; the others' data is gone.
+
+        Each kept class's :class:`SurvivalData` stays the same object, a
+        view of its new row.
+        """
+        kept = [self.rows[i] for i in rows]
+        n = len(kept)
+        self._counts[:n] = self._counts[rows]  # fancy indexing copies before the write
+        self._counts[n:] = 0.0
+        self.rows = kept
+        for j, d in enumerate(kept):
+            d.events, d.censored = self._counts[j, 0], self._counts[j, 1]
+
     def decay(self, factor: float) -> None:
         """``SurvivalData.decay(factor)`` of every row."""
         self._counts[: len(self.rows)] *= factor

@@ -120,6 +120,16 @@ class ReuseTracker:
         arr[:, 1] = now - arr[:, 1]
         return arr
 
+    def classes(self) -> set[int]:
+        """The classes of every block still watched."""
+        return {k for table in (self.watch, self.ghost) for k, _ in table.values()}
+
+    def renumber(self, new_class: Any) -> None:
+        """Every watched block's class ``k`` becomes ``new_class[k]``; order and free times stay."""
+        for table in (self.watch, self.ghost):
+            for h, (k, t0) in table.items():
+                table[h] = (int(new_class[k]), t0)
+
     def _censor(self, key: int, exposure: float) -> None:
         self.censored += 1
         self._on_censored(key, exposure)

@@ -235,6 +235,9 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
     return {
         "events_dropped": ewa.controller.sink.dropped,
         "checkpoint_errors": ewa.controller.checkpoint_failures.count,
+        "finest_classes_retired": ewa.controller.finest_retired,
+        "finest_folded": ewa.controller.finest_folded,
+        "finest_classes": ewa.controller.finest_classes,
         "hook_errors": ewa.handle.hook_errors,
         "tags_missing": t.tag_counters.missing,
         "tags_invalid": t.tag_counters.invalid,

@@ -32,6 +32,14 @@ ENGINE_COUNTERS = {
     "errors": ("vllm_wa_controller_errors", "Controller refits that failed (last good parameters kept)."),
     "checkpoint_errors": ("vllm_wa_checkpoint_errors", "Checkpoint writes that failed."),
     "events_dropped": ("vllm_wa_events_dropped", "Engine events dropped because the event sink was full."),
+    "finest_classes_retired": (
+        "vllm_wa_finest_classes_retired",
+        "Controller finest classes (feature-bucket combinations) given back after going unused for class_retire_s.",
+    ),
+    "finest_folded": (
+        "vllm_wa_finest_folded_observations",
+        "Watched block releases and re-files the controller filed under a coarser class because its finest-class table was full.",
+    ),
     "hook_errors": ("vllm_wa_hook_errors", "Errors caught in the engine hooks."),
     "tags_missing": ("vllm_wa_missing_tags", "Requests without a workload tag."),
     "tags_invalid": ("vllm_wa_invalid_tags", "Requests whose workload tag was invalid (or a reserved name)."),
@@ -59,6 +67,7 @@ ENGINE_GAUGES = {
     "refit_seconds": ("vllm_wa_refit_duration_seconds", "Wall time of the last controller refit."),
     "num_classes": ("vllm_wa_classes", "Eviction classes in use."),
     "num_tags": ("vllm_wa_tags", "Workload tags in use."),
+    "finest_classes": ("vllm_wa_finest_classes", "Finest classes the controller keeps reuse statistics for."),
 }
 CLASS_COUNTERS = {
     "evictions": ("vllm_wa_evicted_blocks", "Cached blocks of the class evicted from the free queue."),
