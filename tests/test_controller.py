@@ -574,12 +574,17 @@ def test_finest_classes_unused_for_the_retire_time_give_their_slots_back(monkeyp
     def lookup(t: float, *blocks: str) -> None:
         sink.emit(LookupEvent(EventKind.LOOKUP, t, f"q{t}", "chat", blocks, ()))
 
-    for tag in ("old0", "old1", "watched", "kept"):
+    for tag in ("old1", "watched", "kept"):
         free(0.0, tag, f"{tag}-0")
-    lookup(5.0, "old0-0", "old1-0", "kept-0")  # three come back; "watched-0" stays watched
+    old0 = [f"old0-{i}" for i in range(5)]  # enough reuses for a fit of its own
+    for b in old0:
+        free(0.0, "old0", b)
+    lookup(5.0, *old0, "old1-0", "kept-0")  # three classes come back; "watched-0" stays watched
     now[0] = 10.0
     c.refit()
     assert c.finest_classes == 4 and c.finest_retired == 0
+    fits = [cand.fits for cand in c.candidates.values() if cand.key == key]
+    assert fits and all("old0.o:stop" in f for f in fits)
     kept_events = c._class_data(key, None)["kept.o:stop"].n_events
 
     free(150.0, "kept", "kept-1")
@@ -589,6 +594,7 @@ def test_finest_classes_unused_for_the_retire_time_give_their_slots_back(monkeyp
     assert c.finest_retired == 2 and c.finest_classes == 2
     data = c._class_data(key, None)
     assert set(data) == {"watched.o:stop", "kept.o:stop"}
+    assert all(set(f) <= set(data) for f in fits)  # the retired class's fit is gone too
     kept = forgetting_factor(140.0, c.config.memory_s)  # what 140 s of forgetting leaves
     assert data["kept.o:stop"].n_events == pytest.approx(kept_events * kept)
     assert data["kept.o:stop"].groups == pytest.approx(kept)

@@ -306,6 +306,12 @@ class WAController:
             self._labels[key] = ([], {}, [], [])
             new_names, _ = self._key_labels(key)
             self._labels[key][3][:] = [counts.get(name, 0.0) for name in new_names]
+        for cand in self.candidates.values():
+            labels = self._labels.get(cand.key) if isinstance(cand.key, FeatureKey) else None
+            if labels is not None:  # a retired class's warm-started fit goes too
+                live = set(labels[0])
+                for name in [n for n in cand.fits if n not in live]:
+                    del cand.fits[name]
 
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
         """The reuses one lookup found in a finest class (see ``ReuseEstimator.update_many``)."""
