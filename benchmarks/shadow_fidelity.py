@@ -67,7 +67,7 @@ class ProbedOnlinePolicy(TunerProbePolicy):
     def on_tap(self, tuner: Tuner) -> None:
         self.hits = np.zeros(len(tuner.names), dtype=np.int64)
 
-    def on_record(self, t: float, lookups: int, hits: list[int]) -> None:
+    def on_record(self, t: float, lookups: int, hits: list[int], real: int | None) -> None:
         if t >= self.eval_start and self.hits is not None:
             self.hits += hits
             self.lookups += lookups

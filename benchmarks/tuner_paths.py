@@ -53,7 +53,7 @@ class RecordingOnlinePolicy(TunerProbePolicy):
     # (rows recorded before it, time) of every decision, in call order.
     decisions: list[tuple[int, float]] = field(default_factory=list)
 
-    def on_record(self, t: float, lookups: int, hits: list[int]) -> None:
+    def on_record(self, t: float, lookups: int, hits: list[int], real: int | None) -> None:
         self.rows.append([t, lookups, *(int(h) for h in hits)])
 
     def on_decide(self, t: float) -> None:

@@ -815,7 +815,7 @@ def test_miniature_caches_see_the_share_of_hashes_they_are_sized_for(sample_rate
     c = WAController(cfg, cache_blocks, Applied(), sink, clock=lambda: 0.0)
     hashes = range(200_000)
     watched = tuple(h for h in hashes if sink.is_sampled(h))
-    seen = c._shadow_hashes(LookupEvent(EventKind.LOOKUP, 0.0, "r", "t", watched, ()))
+    seen, _ = c._shadow_hashes(LookupEvent(EventKind.LOOKUP, 0.0, "r", "t", watched, ()))
     assert set(seen) <= set(watched)
     assert len(seen) / len(hashes) == pytest.approx(c.shadow_blocks / cache_blocks, rel=0.05)
     assert c.shadow_blocks == round(cache_blocks * min(sink.sample_rate, 4096 / cache_blocks))

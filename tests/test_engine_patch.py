@@ -530,6 +530,10 @@ def test_events_for_hit_eviction_and_finish(clock):
     events = sink.drain()
     kinds = [e.kind for e in events]
     assert kinds[0] == EventKind.LOOKUP and events[0].request_id == "r1" and len(events[0].hashes) == 3
+    # What the real cache had of the sampled blocks (every block sampled here):
+    # none for r1, both of r2's full blocks (its prefix), none of a new prompt's.
+    lookups = {e.request_id: e for e in events if e.kind == EventKind.LOOKUP}
+    assert [(lookups[r].real_hits, len(lookups[r].hashes)) for r in ("r1", "r2", "big")] == [(0, 3), (2, 2), (0, 8)]
     fin = [e for e in events if e.kind == EventKind.FINISHED]
     assert [(e.request_id, e.request.outcome) for e in fin] == [("r1", "stop"), ("r2", "stop")]
     # r2's prefix hit took two free blocks of r1's class off the free list.

@@ -320,3 +320,18 @@ def test_counters_never_go_back_across_api_servers(engine, tmp_path):
     assert seen[0] == seen[1] == seen[2] == snap_a.engines[0]["metrics"]["refits"]
     # Without the shared copies, B alone would have answered with its older count.
     assert refits(WACollector(lambda: snap_b.engines)) < seen[0]
+
+
+def test_the_calibration_gauges_are_the_running_candidates_over_the_last_window():
+    """The real cache's and the running candidate's sampled hit ratios, from the
+    snapshot the last refit published; nothing before a sampled lookup."""
+    from vllm_wa.serving.engine_side import _calibration
+
+    window = {
+        "wa": {"lookups": 10, "real_hit_rate": 0.2, "predicted_hit_rate": 0.3},
+        "lru": {"lookups": 5, "real_hit_rate": 0.1, "predicted_hit_rate": 0.1},
+    }
+    snapshot = {"active_candidate": "wa", "calibration": {"window": window}}
+    assert _calibration(snapshot) == {"sampled_real_hit_ratio": 0.2, "sampled_predicted_hit_ratio": 0.3}
+    assert _calibration(None) == {}
+    assert _calibration({"active_candidate": "lru", "calibration": {"window": {}}}) == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -545,3 +546,46 @@ def test_replace_confidence_is_validated_and_zero_turns_it_off():
     for bad in (0.3, 1.0, -0.5):
         with pytest.raises(ConfigError, match="tuner_replace_gate_confidence"):
             ControllerConfig(tuner_replace_gate_confidence=bad)
+
+
+def run_with_real_cache(check: bool, real_gap: float, seconds: float = 7200.0) -> Tuner:
+    """WA's miniature cache leads LRU's by 5 points (35 % against 30 %); while WA
+    runs, the real cache hits ``real_gap`` below WA's prediction (paired draws)."""
+    tuner = Tuner([LRU, WA], replace(SETTINGS, real_check=check))
+    rng = random.Random(0)
+    t = 0.0
+    while t < seconds:
+        for _ in range(10):  # 2 sampled requests a second, a decision every 5 s
+            u = [rng.random() for _ in range(8)]
+            p_real = 0.35 - real_gap if tuner.active == WA else 0.30
+            tuner.record(t, 8, [sum(x < 0.30 for x in u), sum(x < 0.35 for x in u)], sum(x < p_real for x in u))
+            t += 0.5
+        tuner.decide(t)
+    return tuner
+
+
+def test_the_real_cache_check_demotes_a_candidate_its_miniature_cache_overstates():
+    """The miniature caches say WA leads LRU by 5 points, but while WA runs the
+    real cache hits 3 points below LRU's miniature cache (8 below WA's
+    prediction): the real-cache check sends the cache back to LRU within the
+    demotion window, and WA's later leads are discounted by the 8 points its
+    miniature cache overstated, so the same lead never promotes it again.
+    Without the check it stays on WA; with a faithful miniature cache the
+    check never fires."""
+    checked = run_with_real_cache(True, 0.08)
+    reasons = [(sw.reason, sw.to_candidate) for sw in checked.switches]
+    assert reasons == [("promote", WA), ("real-check", LRU)]
+    promoted, demoted = checked.switches[0].time, checked.switches[1].time
+    assert demoted - promoted <= SETTINGS.demote_window_s
+    assert checked.overstated[WA] == pytest.approx(0.08, abs=0.02)
+    assert checked.seconds_on[WA] <= SETTINGS.demote_window_s
+    total = checked.state(7200.0)["calibration"]["total"]
+    assert total[WA]["real_hit_rate"] == pytest.approx(0.27, abs=0.04)  # 90 s of WA: about 1,400 blocks
+    assert total[WA]["predicted_hit_rate"] - total[WA]["real_hit_rate"] == pytest.approx(checked.overstated[WA])
+    assert total[LRU]["real_hit_rate"] == total[LRU]["lru_predicted_hit_rate"]
+
+    unchecked = run_with_real_cache(False, 0.08)
+    assert [sw.reason for sw in unchecked.switches] == ["promote"] and unchecked.active == WA
+
+    faithful = run_with_real_cache(True, 0.0)
+    assert [sw.reason for sw in faithful.switches] == ["promote"] and faithful.active == WA

@@ -130,6 +130,7 @@ class ControllerConfig:
     tuner_demote_confidence: float = 0.95
     tuner_replace_confidence: float = 0.95
     tuner_replace_gate_confidence: float = 0.95
+    tuner_real_check: bool = True
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
 
@@ -230,6 +231,7 @@ class ControllerConfig:
             demote_confidence=self.tuner_demote_confidence,
             replace_confidence=self.tuner_replace_confidence,
             replace_gate_confidence=self.tuner_replace_gate_confidence,
+            real_check=self.tuner_real_check,
         )
 
     @property

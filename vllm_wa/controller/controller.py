@@ -333,14 +333,20 @@ class WAController:
             comps = tuple(comps)
         return comps
 
-    def _shadow_hashes(self, ev: Any) -> list:
-        """The hashes a lookup brings to the miniature caches (see ``shadow_sampling``)."""
+    def _shadow_hashes(self, ev: Any) -> tuple[list, int | None]:
+        """The hashes a lookup brings to the miniature caches (see
+        ``shadow_sampling``), and how many of them the real cache had (None:
+        unknown, under chain sampling or when the engine does not say)."""
         if self._chain:
-            return list(ev.chain)
+            return list(ev.chain), None
         thr = self._shadow_threshold
+        real = ev.real_hits
         if thr >= 1 << 64:
-            return list(ev.hashes)
-        return self.sink.subsample(ev.hashes, thr)
+            return list(ev.hashes), real
+        hs = self.sink.subsample(ev.hashes, thr)
+        if real:
+            real = len(self.sink.subsample(ev.hashes[:real], thr))
+        return hs, real
 
     @property
     def finest_classes(self) -> int:
@@ -369,10 +375,10 @@ class WAController:
                 tracker.looked_up(ev.hashes, ev.time)
                 if self._found:
                     self._count_lookup(self._found)
-                hs = self._shadow_hashes(ev)
+                hs, real = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
                     # The same sampled request in every miniature cache: paired evidence.
-                    record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows])
+                    record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows], real)
             elif kind == EventKind.FINISHED:
                 for s in shadows:
                     s.finish(ev.request_id, ev.request, ev.time)
@@ -690,6 +696,9 @@ class WAController:
             "demotions": tuner["demotions"],
             "replacements": tuner["replacements"],
             "seconds_on_candidate": tuner["seconds_on_candidate"],
+            # The running candidate's prediction against the real cache (tuner.calibration).
+            "calibration": tuner["calibration"],
+            "overstated": tuner["overstated"],
             "last_refit": rnd(self.last_refit),
             "last_swap": rnd(self.last_swap),
             "last_error": self.last_error,

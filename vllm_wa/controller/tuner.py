@@ -83,6 +83,21 @@ with a batch-means standard error.
   demoted good candidates on noise (measured on the Mooncake trace at
   15 %: a 1.2-point lead demoted 36 s after its promotion, two batches
   in).  A demoted candidate's earlier lead no longer counts.
+* **The real-cache check** (``real_check``) tests the miniature caches'
+  prediction where it matters.  The engine reports which of a lookup's
+  sampled blocks the real cache had (``LookupEvent.real_hits``), and while a
+  candidate runs, the same demotion test compares LRU's miniature cache
+  with the real cache itself, on the same blocks (reason ``real-check``).
+  Running LRU, the real cache and LRU's miniature cache agree to 0.02
+  points on the development traces, so LRU's miniature cache stands in for
+  the LRU the switch left.  A candidate its miniature cache overstates
+  fails it: on Mooncake ``--cut 1800`` at 20 % the lookup-stamped
+  think-time key reads 0.27 points over LRU in the miniature caches and
+  0.93 under it in the real cache; started on it, the check demotes it at
+  426 s and the run reads LRU's 21.57 instead of 20.61.  What its miniature
+  cache overstated it by while it ran (prediction minus the real cache,
+  :mod:`.calibration`) is then added to its bar for a promotion or a
+  replacement, so the same lead does not bring it back.
 * **Replacement** moves between two candidates as quickly, when the
   evidence is as strong: if another candidate beats the running one over
   the demotion window, with the one-sided Student's t bound at
@@ -128,6 +143,9 @@ import numpy as np
 from scipy.stats import norm
 from scipy.stats import t as student_t
 
+from vllm_wa.controller.batch_stats import Comparison, batch_lead
+from vllm_wa.controller.calibration import Calibration
+
 LRU = "lru"
 
 
@@ -150,20 +168,7 @@ class TunerSettings:
     demote_confidence: float = 0.95
     replace_confidence: float = 0.95  # 0: no replacement
     replace_gate_confidence: float = 0.95  # 0: no gate
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Hit-rate lead of one candidate over another on the same sampled requests."""
-
-    lead: float
-    stderr: float
-    batches: int
-    requests: int
-    lookups: int
-
-    def lower(self, z: float) -> float:
-        return self.lead - z * self.stderr
+    real_check: bool = True  # demote when LRU's miniature cache leads the real cache too
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ class Switch:
     time: float
     from_candidate: str
     to_candidate: str
-    reason: str  # "promote", "demote" or "replace"
+    reason: str  # "promote", "demote", "real-check" (a demotion on the real cache's hits) or "replace"
     lead: float
     lower_bound: float
     batches: int
@@ -263,22 +268,7 @@ class PairedHits:
 
     @staticmethod
     def _lead(rows: list[tuple[int, int, int, np.ndarray]], diffs: Any) -> Comparison:
-        """The ratio of the batches' summed hit differences to their lookups, with its batch-means error."""
-        if not rows:
-            return Comparison(0.0, math.inf, 0, 0, 0)
-        n = np.array([r[2] for r in rows], dtype=np.float64)
-        d = np.asarray(diffs, dtype=np.float64)
-        reqs = sum(r[1] for r in rows)
-        total = float(n.sum())
-        if total <= 0:
-            return Comparison(0.0, math.inf, len(rows), reqs, 0)
-        lead = float(d.sum()) / total
-        k = len(rows)
-        if k < 2:
-            return Comparison(lead, math.inf, k, reqs, int(total))
-        resid = d - lead * n
-        se = math.sqrt(k / (k - 1) * float(resid @ resid)) / total
-        return Comparison(lead, se, k, reqs, int(total))
+        return batch_lead([r[2] for r in rows], diffs, sum(r[1] for r in rows))
 
     def rates(self, since: float) -> dict[str, tuple[float, int]]:
         """Each candidate's hit rate and sampled lookups over the batches from ``since``."""
@@ -301,6 +291,11 @@ class Tuner:
             raise ValueError("LRU must be a candidate")
         s = self.settings
         self.hits = PairedHits(self.names, s.batch_s, max(s.window_s, s.demote_window_s))
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.calibration = Calibration(max(s.window_s, s.demote_window_s), s.batch_s)
+        # Candidates a real-cache check demoted: by how much their miniature
+        # cache overstated them while they ran (added to their promotion margin).
+        self.overstated: dict[str, float] = {}
         self.active = self.initial
         self.active_since = -math.inf
         self.evidence_since = {n: -math.inf for n in self.names}
@@ -323,8 +318,14 @@ class Tuner:
         self._short_min_requests = math.ceil(s.full_window_min_requests * s.short_window_s / s.window_s)
         self._z_short = float(norm.ppf(s.short_window_confidence))
 
-    def record(self, t: float, lookups: int, hits: list[int]) -> None:
+    def record(self, t: float, lookups: int, hits: list[int], real: int | None = None) -> None:
+        """One sampled request: its sampled blocks, each candidate's hit blocks
+        and, when known, the real cache's (checked against the running
+        candidate's prediction: :mod:`.calibration`)."""
         self.hits.add(t, lookups, hits)
+        if real is not None:
+            i = self._index[self.active]
+            self.calibration.update(t, self.active, lookups, real, int(hits[i]), int(hits[self._index[LRU]]))
 
     def _promotion(self, now: float) -> tuple[str, Comparison, float] | None:
         s = self.settings
@@ -338,11 +339,11 @@ class Tuner:
                 continue
             conf = self._leave_lru_confidence if self.active == LRU else s.confidence
             z = sequential_z(cmp.batches, conf, s.min_batches)
-            margin = s.margin
+            margin = s.margin + self.overstated.get(name, 0.0)
             full_lru_move = cmp.batches >= self._full_batches and LRU in (name, self.active)
             if full_lru_move and cmp.requests >= s.full_window_min_requests:
                 z = min(z, self._z_full)
-                margin = s.full_window_margin
+                margin = s.full_window_margin + self.overstated.get(name, 0.0)
             lb = cmp.lower(z)
             if lb > margin and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
@@ -359,19 +360,24 @@ class Tuner:
         if cmp.batches < self._short_batches or cmp.requests < self._short_min_requests:
             return None
         lb = cmp.lower(self._z_short)
-        return (cmp, lb) if lb > s.full_window_margin else None
+        return (cmp, lb) if lb > s.full_window_margin + self.overstated.get(name, 0.0) else None
 
-    def _demotion(self, now: float) -> tuple[Comparison, float] | None:
+    def _demotion(self, now: float) -> tuple[str, Comparison, float] | None:
+        """LRU's miniature cache leads the running candidate's (``demote``), or
+        leads the real cache, on the same sampled blocks (``real-check``)."""
         s = self.settings
         if self.active == LRU:
             return None
         since = max(now - s.demote_window_s, self.active_since)
-        cmp = self.hits.compare(LRU, self.active, since)
-        if cmp.batches < 3:  # two batches (one degree of freedom) can agree by chance
-            return None
-        lb = cmp.lower(self._demote_quantile(cmp.batches))
-        if lb > s.margin:
-            return cmp, lb
+        checks = [("demote", self.hits.compare(LRU, self.active, since))]
+        if s.real_check:
+            checks.append(("real-check", self.calibration.lead_over_real(since, self.active)))
+        for reason, cmp in checks:
+            if cmp.batches < 3:  # two batches (one degree of freedom) can agree by chance
+                continue
+            lb = cmp.lower(self._demote_quantile(cmp.batches))
+            if lb > s.margin:
+                return reason, cmp, lb
         return None
 
     def _t_quantile(self, confidence: float, batches: int) -> float:
@@ -396,10 +402,13 @@ class Tuner:
         self.account(now)
         demote = self._demotion(now)
         if demote is not None:
-            cmp, lb = demote
+            reason, cmp, lb = demote
+            if reason == "real-check":
+                # Its miniature cache overstates it: later leads are discounted by as much.
+                self.overstated[self.active] = max(0.0, self.calibration.overstatement(self.active_since, self.active))
             self.evidence_since[self.active] = now
             self.demotions += 1
-            return self._switch(now, LRU, "demote", cmp, lb)
+            return self._switch(now, LRU, reason, cmp, lb)
         promote = self._promotion(now)
         if promote is not None:
             name, cmp, lb = promote
@@ -433,7 +442,7 @@ class Tuner:
             if cmp.batches < 3:
                 continue
             lb = cmp.lower(self._replace_quantile(cmp.batches))
-            if lb > s.margin and (best is None or lb > best[2]):
+            if lb > s.margin + self.overstated.get(name, 0.0) and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
         return best
 
@@ -469,4 +478,6 @@ class Tuner:
             "switches": [sw.to_json() for sw in self.switches],
             "seconds_on_candidate": {n: round(v, 3) for n, v in self.seconds_on.items()},
             "window_rates": rates,
+            "calibration": self.calibration.get(now),
+            "overstated": dict(self.overstated),
         }

@@ -317,25 +317,31 @@ class BlockTagger:
             return
         if sink.lookup_hashes == "none":
             hashes: tuple = ()
+            real_hits = 0
         elif sink.lookup_hashes == "all":
             hashes = tuple(block_hashes)
+            real_hits = len(hit_blocks)
         else:
-            hashes = self._sampled_hashes(hit_blocks, block_hashes)
+            hashes, real_hits = self._sampled_hashes(hit_blocks, block_hashes)
         chain: tuple = ()
         if timing is not None and sink.chain_sampled(timing.conversation):
             chain = tuple(block_hashes[timing.start :])
         if to_key is not None:
             hashes = tuple(map(to_key, hashes))
             chain = tuple(map(to_key, chain))
-        sink.emit(LookupEvent(EventKind.LOOKUP, now, rid, req.tag, hashes, chain))
+        sink.emit(LookupEvent(EventKind.LOOKUP, now, rid, req.tag, hashes, chain, real_hits))
 
-    def _sampled_hashes(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple:
-        """The sampled prompt blocks' hashes: the cached prefix by its blocks'
-        flags (set once per hash a block holds), the rest by hashing."""
+    def _sampled_hashes(self, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any]) -> tuple[tuple, int]:
+        """The sampled prompt blocks' hashes, and how many of them (the first)
+        are in the cached prefix: that prefix by its blocks' flags (set once
+        per hash a block holds), the rest by hashing."""
         if block_hashes and type(block_hashes[0]) is int:
             # Trace ids: the whole prompt in one numpy pass (a hit block holds
             # its prompt position's id, so its flag would say the same).
-            return tuple(self.sink.sampled_from(block_hashes, 0))
+            sampled = self.sink.sampled_from(block_hashes, 0)
+            if not hit_blocks:
+                return tuple(sampled), 0
+            return tuple(sampled), len(self.sink.sampled_from(block_hashes[: len(hit_blocks)], 0))
         sampled, flagged = self.queue.sampled, self._flagged_hash
         is_sampled = self.sink.is_sampled
         out = []
@@ -347,8 +353,9 @@ class BlockTagger:
                 sampled[bid] = h is not None and is_sampled(h)
             if sampled[bid]:
                 out.append(block_hashes[i])
+        hits = len(out)
         out += self.sink.sampled_from(block_hashes, len(hit_blocks))
-        return tuple(out)
+        return tuple(out), hits
 
     def count_reuse(self, hit_blocks: Sequence[KVCacheBlock], *, free_hits: bool = False) -> None:
         """One more prefix hit on each of ``hit_blocks``; with ``free_hits``,

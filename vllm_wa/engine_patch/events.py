@@ -101,7 +101,9 @@ class LookupEvent(NamedTuple):
     observations, and the miniature caches' prompt).  ``chain``: the hashes of
     every block from the conversation's own start, when the request's
     conversation is sampled for the miniature caches (chain sampling), else
-    empty.
+    empty.  ``real_hits``: how many of ``hashes``, the first ones, the real
+    cache had (its prefix hit): what the miniature caches' predictions are
+    checked against (None: not reported).
     """
 
     kind: EventKind
@@ -110,6 +112,7 @@ class LookupEvent(NamedTuple):
     tag: str
     hashes: tuple[tuple[int, Any], ...]
     chain: tuple[tuple[int, Any], ...]
+    real_hits: int | None = None
 
 
 class FinishedEvent(NamedTuple):

@@ -97,4 +97,7 @@ class OnlineWAPolicy(ReplayPolicy):
             "events_dropped": st["events_dropped"],
             "drift_events": len(st["drift_events"]),
             "finest_classes": st["finest_classes"],
+            # Per candidate that ran, over the whole run: the real cache's hit
+            # rate on the sampled blocks beside the candidate's prediction.
+            "calibration": st["calibration"]["total"],
         }

@@ -30,8 +30,9 @@ class TunerProbePolicy(OnlineWAPolicy):
     def on_tap(self, tuner: Tuner) -> None:
         """Called once, when the tap goes in (the candidates are known)."""
 
-    def on_record(self, t: float, lookups: int, hits: list[int]) -> None:
-        """One sampled request: its sampled blocks and each candidate's hit blocks."""
+    def on_record(self, t: float, lookups: int, hits: list[int], real: int | None) -> None:
+        """One sampled request: its sampled blocks, each candidate's hit blocks
+        and the real cache's (None: not known)."""
 
     def on_decide(self, t: float) -> None:
         """The tuner is about to decide at ``t``."""
@@ -44,9 +45,9 @@ class TunerProbePolicy(OnlineWAPolicy):
     def _tap(self, tuner: Tuner) -> None:
         record, decide = tuner.record, tuner.decide
 
-        def record_tapped(t: float, lookups: int, hits: list[int]) -> None:
-            record(t, lookups, hits)
-            self.on_record(t, lookups, hits)
+        def record_tapped(t: float, lookups: int, hits: list[int], real: int | None = None) -> None:
+            record(t, lookups, hits, real)
+            self.on_record(t, lookups, hits, real)
 
         def decide_tapped(t: float) -> Switch | None:
             self.on_decide(t)

@@ -226,7 +226,21 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
         "pinned": c.pinned is not None,
     }
     out.update(_live_counters(ewa))
+    out.update(_calibration(c.snapshot))
     return out
+
+
+def _calibration(snapshot: dict[str, Any] | None) -> dict[str, Any]:
+    """The running candidate's prediction and the real cache's hit ratio on the
+    same sampled blocks over the tuner's window, as of the last refit (absent
+    before any sampled lookup)."""
+    if not snapshot:
+        return {}
+    window = (snapshot.get("calibration") or {}).get("window") or {}
+    cal = window.get(snapshot.get("active_candidate"))
+    if not cal or not cal.get("lookups"):
+        return {}
+    return {"sampled_real_hit_ratio": cal["real_hit_rate"], "sampled_predicted_hit_ratio": cal["predicted_hit_rate"]}
 
 
 def _live_counters(ewa: EngineWA) -> dict[str, Any]:

@@ -68,6 +68,14 @@ ENGINE_GAUGES = {
     "num_classes": ("vllm_wa_classes", "Eviction classes in use."),
     "num_tags": ("vllm_wa_tags", "Workload tags in use."),
     "finest_classes": ("vllm_wa_finest_classes", "Finest classes the controller keeps reuse statistics for."),
+    "sampled_real_hit_ratio": (
+        "vllm_wa_sampled_real_hit_ratio",
+        "Real cache's hit ratio on the miniature caches' sampled blocks while the running candidate ran (tuner window).",
+    ),
+    "sampled_predicted_hit_ratio": (
+        "vllm_wa_sampled_predicted_hit_ratio",
+        "The running candidate's miniature-cache hit ratio on the same sampled blocks (tuner window).",
+    ),
 }
 CLASS_COUNTERS = {
     "evictions": ("vllm_wa_evicted_blocks", "Cached blocks of the class evicted from the free queue."),

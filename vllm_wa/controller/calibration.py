@@ -1,0 +1,117 @@
+"""The miniature caches' prediction for the running candidate, checked in the real cache.
+
+The tuner chooses by the miniature caches alone. Whether their prediction
+holds where it matters is measured here, on the same sampled blocks: for
+each sampled request, its hit blocks in the running candidate's miniature
+cache beside its hit blocks in the real cache (the engine reports them with
+the lookup, ``LookupEvent.real_hits``), and in LRU's miniature cache.
+
+The levels differ by sampling alone (a sampled block hits in a miniature
+cache without its unsampled parents; blocks held by running requests take
+room in the real cache only), so the number to watch is whether the gap
+between prediction and the real cache moves when the running candidate
+changes: a candidate whose real hit rate falls further below its
+prediction than LRU's did is one the miniature caches misjudge
+(README, "Miniature-cache fidelity").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_wa.controller.batch_stats import Comparison, batch_lead
+
+
+@dataclass
+class CalibrationTotals:
+    """Sampled blocks looked up, and how many hit: in the real cache, in the
+    running candidate's miniature cache, in LRU's."""
+
+    lookups: int = 0
+    real: int = 0
+    predicted: int = 0
+    lru: int = 0
+    requests: int = 0
+
+    def add(self, lookups: int, real: int, predicted: int, lru: int, requests: int = 1) -> None:
+        self.lookups += lookups
+        self.real += real
+        self.predicted += predicted
+        self.lru += lru
+        self.requests += requests
+
+    def to_json(self) -> dict[str, Any]:
+        n = self.lookups
+        return {
+            "requests": self.requests,
+            "lookups": n,
+            "real_hit_rate": self.real / n if n else None,
+            "predicted_hit_rate": self.predicted / n if n else None,
+            "lru_predicted_hit_rate": self.lru / n if n else None,
+        }
+
+
+@dataclass
+class Calibration:
+    """River-style: :meth:`update` once per sampled request, :meth:`get` the summary.
+
+    Keeps ``window_s`` of ``batch_s`` batches (a batch holds one running
+    candidate) and totals per candidate since the start; both are bounded
+    (the window by its batches, the totals by the candidate set).
+    """
+
+    window_s: float = 900.0
+    batch_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        self._batches: deque[tuple[float, str, CalibrationTotals]] = deque()
+        self.totals: dict[str, CalibrationTotals] = {}
+
+    def update(self, t: float, running: str, lookups: int, real: int, predicted: int, lru: int) -> None:
+        """One sampled request while ``running`` ran in the real cache."""
+        start = t - t % self.batch_s
+        last = self._batches[-1] if self._batches else None
+        if last is None or last[0] != start or last[1] != running:
+            last = (start, running, CalibrationTotals())
+            self._batches.append(last)
+            while self._batches and self._batches[0][0] < start - self.window_s:
+                self._batches.popleft()
+        last[2].add(lookups, real, predicted, lru)
+        self.totals.setdefault(running, CalibrationTotals()).add(lookups, real, predicted, lru)
+
+    def window(self, now: float) -> dict[str, CalibrationTotals]:
+        """Each candidate that ran in the last ``window_s``: its sums over that time."""
+        out: dict[str, CalibrationTotals] = {}
+        for start, running, b in self._batches:
+            if start >= now - self.window_s:
+                out.setdefault(running, CalibrationTotals()).add(b.lookups, b.real, b.predicted, b.lru, b.requests)
+        return out
+
+    def _since(self, since: float, running: str) -> list[CalibrationTotals]:
+        # The batch holding ``since`` counts, as in the tuner's comparisons; a
+        # batch holds one running candidate, so a switch inside it splits it.
+        first = since - since % self.batch_s
+        return [b for start, name, b in self._batches if start >= first and name == running]
+
+    def lead_over_real(self, since: float, running: str) -> Comparison:
+        """LRU's miniature cache's hit-rate lead over the real cache while
+        ``running`` ran, from ``since``: what a switch to it cost, as far as LRU's
+        miniature cache predicts LRU (running LRU, the two agree to 0.02 points
+        on the development traces)."""
+        rows = self._since(since, running)
+        return batch_lead([b.lookups for b in rows], [b.lru - b.real for b in rows], sum(b.requests for b in rows))
+
+    def overstatement(self, since: float, running: str) -> float:
+        """How far ``running``'s miniature cache over-predicted the real cache from ``since``."""
+        rows = self._since(since, running)
+        n = sum(b.lookups for b in rows)
+        return sum(b.predicted - b.real for b in rows) / n if n else 0.0
+
+    def get(self, now: float) -> dict[str, Any]:
+        return {
+            "window_s": self.window_s,
+            "window": {name: t.to_json() for name, t in self.window(now).items()},
+            "total": {name: t.to_json() for name, t in self.totals.items()},
+        }
