@@ -18,7 +18,9 @@ as far as the miniature caches predict the real one and the real cache's path do
 change what the controller learns (it fits its reuse models from the real
 cache's events, so another path feeds the candidates slightly other
 models).  On the agentic split at 15 % the recorded default path scores
-77.63 and the real run reads 77.59.
+77.63 and the real run reads 77.59.  The tuner's real-cache check needs the
+real cache's hits, which depend on the path taken: a replay has none, so the
+check never fires in it.
 
     python benchmarks/tuner_paths.py record TRACE --sizes 5%,15% --out DIR [--cut S] [--seed N] \
         [--controller-config C] [--jobs J]
