@@ -294,7 +294,8 @@ class Tuner:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.calibration = Calibration(max(s.window_s, s.demote_window_s), s.batch_s)
         # Candidates a real-cache check demoted: by how much their miniature
-        # cache overstated them while they ran (added to their promotion margin).
+        # cache overstated them over their last window of running (added to
+        # their promotion and replacement margins).
         self.overstated: dict[str, float] = {}
         self.active = self.initial
         self.active_since = -math.inf
