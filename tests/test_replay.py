@@ -871,3 +871,24 @@ def test_map_jobs_keeps_order_or_yields_as_finished_and_runs_in_process_with_one
     ordered = list(map_jobs(_square_and_pid, items, 2))
     assert [v for v, _ in ordered] == [x * x for x in items] and os.getpid() not in {p for _, p in ordered}
     assert sorted(v for v, _ in map_jobs(_square_and_pid, items, 2, ordered=False)) == [x * x for x in items]
+
+
+def test_the_table_shows_each_candidates_real_cache_check():
+    """Under a trace's table, each ``wa-online`` run's candidates: the real
+    cache's hit rate on the sampled blocks beside the prediction."""
+    from vllm_wa.replay.report import format_table
+    from vllm_wa.replay.runner import RunResult
+
+    run = RunResult("t", "wa-online", 100, "fast")
+    run.extra = {
+        "calibration": {
+            "lru": {"lookups": 10, "real_hit_rate": 0.2, "predicted_hit_rate": 0.2},
+            "x": {"lookups": 5, "real_hit_rate": 0.1, "predicted_hit_rate": 0.3},
+            "never-ran": {"lookups": 0, "real_hit_rate": None, "predicted_hit_rate": None},
+        },
+        "switches": [{"reason": "promote"}, {"reason": "real-check"}],
+    }
+    out = format_table([run])
+    assert "wa-online at 100 blk" in out
+    assert "lru 20.00 vs 20.00; x 10.00 vs 30.00; 1 real-check demotion(s)" in out
+    assert "never-ran" not in out

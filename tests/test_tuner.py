@@ -589,3 +589,19 @@ def test_the_real_cache_check_demotes_a_candidate_its_miniature_cache_overstates
 
     faithful = run_with_real_cache(True, 0.0)
     assert [sw.reason for sw in faithful.switches] == ["promote"] and faithful.active == WA
+
+
+def test_a_candidate_the_tuner_started_on_is_checked_from_the_start():
+    """``initial`` = WA (a restart on a trusted candidate): it ran since -inf,
+    and what its miniature cache overstated counts from its first request."""
+    tuner = Tuner([LRU, WA], SETTINGS, initial=WA)
+    rng = random.Random(1)
+    t = 0.0
+    while tuner.active == WA and t < 600:
+        for _ in range(10):
+            u = [rng.random() for _ in range(8)]
+            tuner.record(t, 8, [sum(x < 0.30 for x in u), sum(x < 0.35 for x in u)], sum(x < 0.27 for x in u))
+            t += 0.5
+        tuner.decide(t)
+    assert [sw.reason for sw in tuner.switches] == ["real-check"]
+    assert tuner.overstated[WA] == pytest.approx(0.08, abs=0.02)

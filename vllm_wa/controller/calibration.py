@@ -17,6 +17,7 @@ prediction than LRU's did is one the miniature caches misjudge
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +93,7 @@ class Calibration:
     def _since(self, since: float, running: str) -> list[CalibrationTotals]:
         # The batch holding ``since`` counts, as in the tuner's comparisons; a
         # batch holds one running candidate, so a switch inside it splits it.
-        first = since - since % self.batch_s
+        first = since - since % self.batch_s if math.isfinite(since) else since
         return [b for start, name, b in self._batches if start >= first and name == running]
 
     def lead_over_real(self, since: float, running: str) -> Comparison:

@@ -107,8 +107,32 @@ def format_table(
                 + ", ".join(f"{n} blk: {o}" for n, o in sorted(over.items()))
             )
         lines.extend(_peer_notes(rs, (choices or {}).get(trace)))
+        lines.extend(_calibration_notes(rs))
         lines.append("")
     return "\n".join(lines)
+
+
+def _calibration_notes(rs: Sequence[RunResult]) -> list[str]:
+    """Per ``wa-online`` run: each candidate that ran, its real-cache hit rate on
+    the sampled blocks against its miniature cache's prediction (the tuner's
+    real-cache check), over the whole run."""
+    lines = []
+    for r in sorted(rs, key=lambda r: r.cache_blocks):
+        cal = r.extra.get("calibration")
+        if r.policy != "wa-online" or not cal:
+            continue
+        parts = [
+            f"{name} {100 * c['real_hit_rate']:.2f} vs {100 * c['predicted_hit_rate']:.2f}"
+            for name, c in cal.items()
+            if c.get("lookups")
+        ]
+        checks = sum(1 for sw in r.extra.get("switches", ()) if sw.get("reason") == "real-check")
+        lines.append(
+            f"  wa-online at {r.cache_blocks} blk, real cache vs prediction on the sampled blocks (%): "
+            + "; ".join(parts)
+            + (f"; {checks} real-check demotion(s)" if checks else "")
+        )
+    return lines
 
 
 def write_json(results: Sequence[RunResult], path: str, meta: dict[str, Any] | None = None) -> None:
