@@ -231,6 +231,16 @@ def test_wa_online_server_learns_swaps_and_is_observable(wa_server):
         if line.startswith("vllm_wa_evicted_blocks_total{")
     )
     assert evicted > 0
+    # The real-cache check's two sides, counted on the same sampled blocks
+    # through vLLM's own prefix-cache hits: the running candidate's prediction
+    # and what the real cache had.
+    ran = [c for c in st["calibration"]["total"].values() if c["lookups"]]
+    assert ran and all(0 <= c["real_hit_rate"] <= 1 and 0 <= c["predicted_hit_rate"] <= 1 for c in ran)
+    assert sum(c["real_hit_rate"] * c["lookups"] for c in ran) > 0  # the conversations came back
+    if st["calibration"]["window"].get(st["active_candidate"], {}).get("lookups"):
+        # (Absent only while a candidate the tuner just switched to has seen no lookup.)
+        assert 'vllm_wa_sampled_real_hit_ratio{engine="' in metrics
+        assert 'vllm_wa_sampled_predicted_hit_ratio{engine="' in metrics
     # The API server's own counters, from its start (none lost).
     assert 'vllm_wa_api_outcome_reports_total{result="sent"}' in metrics
     assert 'vllm_wa_api_outcome_reports_total{result="dropped"} 0.0' in metrics
