@@ -343,10 +343,11 @@ class WAController:
         real = ev.real_hits
         if thr >= 1 << 64:
             return list(ev.hashes), real
-        hs = self.sink.subsample(ev.hashes, thr)
-        if real:
-            real = len(self.sink.subsample(ev.hashes[:real], thr))
-        return hs, real
+        if not real:
+            return self.sink.subsample(ev.hashes, thr), real
+        # The real cache's hits are the first ``real`` hashes: subsample them and the rest apart.
+        head = self.sink.subsample(ev.hashes[:real], thr)
+        return head + self.sink.subsample(ev.hashes[real:], thr), len(head)
 
     @property
     def finest_classes(self) -> int:

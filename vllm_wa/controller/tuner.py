@@ -291,7 +291,6 @@ class Tuner:
             raise ValueError("LRU must be a candidate")
         s = self.settings
         self.hits = PairedHits(self.names, s.batch_s, max(s.window_s, s.demote_window_s))
-        self._index = {n: i for i, n in enumerate(self.names)}
         self.calibration = Calibration(max(s.window_s, s.demote_window_s), s.batch_s)
         # Candidates a real-cache check demoted: by how much their miniature
         # cache overstated them over their last window of running (added to
@@ -325,8 +324,8 @@ class Tuner:
         candidate's prediction: :mod:`.calibration`)."""
         self.hits.add(t, lookups, hits)
         if real is not None:
-            i = self._index[self.active]
-            self.calibration.update(t, self.active, lookups, real, int(hits[i]), int(hits[self._index[LRU]]))
+            index = self.hits.index
+            self.calibration.update(t, self.active, lookups, real, int(hits[index[self.active]]), int(hits[index[LRU]]))
 
     def _promotion(self, now: float) -> tuple[str, Comparison, float] | None:
         s = self.settings

@@ -338,10 +338,10 @@ class BlockTagger:
         if block_hashes and type(block_hashes[0]) is int:
             # Trace ids: the whole prompt in one numpy pass (a hit block holds
             # its prompt position's id, so its flag would say the same).
-            sampled = self.sink.sampled_from(block_hashes, 0)
-            if not hit_blocks:
-                return tuple(sampled), 0
-            return tuple(sampled), len(self.sink.sampled_from(block_hashes[: len(hit_blocks)], 0))
+            # The prefix and the rest apart: one pass over the prompt in all.
+            k = len(hit_blocks)
+            head = self.sink.sampled_from(block_hashes[:k], 0) if k else []
+            return tuple(head + self.sink.sampled_from(block_hashes, k)), len(head)
         sampled, flagged = self.queue.sampled, self._flagged_hash
         is_sampled = self.sink.is_sampled
         out = []
