@@ -75,6 +75,31 @@ def test_round_trip_restores_estimators_params_and_version(saved, tmp_path):
     assert fresh.version == c.version and fresh.params.version == c.version
 
 
+def test_a_restart_keeps_what_the_real_cache_check_found_overstated(saved, tmp_path):
+    """A candidate the real-cache check demoted faces its raised bar after a
+    restart too (the evidence is about this traffic); names no longer
+    configured are dropped."""
+    c, _, data = saved
+    name = "tag+outcome/hyper/posterior/L10"
+    assert name in c.tuner.names
+    c.tuner.overstated[name] = 0.02
+    path = tmp_path / "with_overstated.json"
+    assert c.save_checkpoint(str(path))
+    written = json.loads(path.read_text())
+    assert written["overstated"] == {name: 0.02}
+    fresh = controller()
+    assert fresh.load_checkpoint(str(path))
+    assert fresh.tuner.overstated == {name: 0.02}
+    # A checkpoint written before the field, or naming a candidate this
+    # configuration lacks (or LRU), restores no overstatement.
+    for extra in ({}, {"overstated": {"gone/exp/pr/L5": 0.3, "lru": 0.1}}):
+        old = {k: v for k, v in written.items() if k != "overstated"} | extra
+        path.write_text(json.dumps(old))
+        fresh = controller()
+        assert fresh.load_checkpoint(str(path))
+        assert fresh.tuner.overstated == {}
+
+
 FOLD = ["*"] * 4  # the timing features, folded
 
 
@@ -118,6 +143,15 @@ def _crafted(saved_data) -> list:
         json.dumps({**good, "params": [1, 2]}),
         json.dumps({**good, "version": 99}),
         json.dumps({**good, "surprise": 1}),
+        # The real-cache check's overstatements: a fraction per candidate name.
+        json.dumps({**good, "overstated": [0.1]}),
+        json.dumps({**good, "overstated": {"tag/hyper/posterior/L10": 1.5}}),
+        json.dumps({**good, "overstated": {"tag/hyper/posterior/L10": -0.1}}),
+        json.dumps({**good, "overstated": {"tag/hyper/posterior/L10": "0.1"}}),
+        json.dumps({**good, "overstated": {"": 0.1}}),
+        json.dumps({**good, "overstated": {"x" * 1000: 0.1}}),
+        json.dumps({**good, "overstated": {f"c{i}": 0.1 for i in range(1000)}}),
+        '{"version": 2, "classes": [], "params": {"a": {}, "p": {}}, "overstated": {"c": Infinity}}',
         json.dumps([1, 2, 3]),
         json.dumps(None),
         '{"version": 2, "classes": [], "params": {"a": {}, "p": {}, "L": NaN}}',

@@ -12,10 +12,16 @@ Format (JSON)::
 
     {"version": 2, "active": "<candidate>", "params": <PR JSON, with "version">,
      "classes": [{"components": [tag, outcome, depth, reuse, think, reply, growth, turn],
-                  "data": {"events": [...], "censored": [...]}}, ...]}
+                  "data": {"events": [...], "censored": [...]}}, ...],
+     "overstated": {"<candidate>": <hit-rate points as a fraction>, ...}}
 
 (components are the finest class's bucketed features, ``"u"`` for an
 unknown timing feature, ``"*"`` for a feature no candidate uses).
+``overstated`` (optional: files written before it lack it) is what the
+real-cache check found each demoted candidate's miniature cache to
+overstate: evidence about this traffic, like the classes' data, so a
+restart keeps it and does not promote the candidate again on the same
+overstated lead (``Tuner.overstated``).
 
 The parameter version lives in ``params.version``; a restart continues from it.
 """
@@ -51,7 +57,10 @@ MAX_RESTORED_VERSION = MAX_VERSION // 2
 # a damaged file, and sums of counts near the float limit overflow to inf,
 # which no JSON answer (/wa/params) can carry.
 MAX_BIN_COUNT = 1e12
-_KEYS = {"version", "active", "params", "classes"}
+# Far above any candidate set (the defaults are ten); a longer map is a damaged file.
+MAX_OVERSTATED = 256
+MAX_CANDIDATE_NAME = 256
+_KEYS = {"version", "active", "params", "classes", "overstated"}
 _OUTCOMES = (*OUTCOMES, "unknown")
 Components = tuple[Any, ...]
 
@@ -67,6 +76,8 @@ class Checkpoint:
     active: str | None
     params: WAParams
     classes: tuple[tuple[Components, SurvivalData], ...]
+    # (candidate, overstatement) pairs: see the module doc.
+    overstated: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +85,7 @@ class Checkpoint:
             "active": self.active,
             "params": self.params.to_pr_json(),
             "classes": [{"components": list(comps), "data": data.state()} for comps, data in self.classes],
+            "overstated": dict(self.overstated),
         }
 
 
@@ -119,6 +131,20 @@ def _survival(raw: Any, where: str) -> SurvivalData:
     return SurvivalData(arrays[0], arrays[1], float(groups))
 
 
+def _overstated(raw: Any) -> tuple[tuple[str, float], ...]:
+    """Candidate names and their overstatements, a fraction in [0, 1] each."""
+    if not isinstance(raw, dict):
+        raise CheckpointError("'overstated' must be an object of candidate names to numbers")
+    if len(raw) > MAX_OVERSTATED:
+        raise CheckpointError(f"'overstated' has {len(raw)} entries; at most {MAX_OVERSTATED}")
+    out = []
+    for name, value in raw.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_CANDIDATE_NAME:
+            raise CheckpointError(f"'overstated' names must be 1-{MAX_CANDIDATE_NAME} characters")
+        out.append((name, float(check_number(f"overstated[{name[:64]!r}]", value, ge=0, le=1, error=CheckpointError))))
+    return tuple(out)
+
+
 def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
     """Validate a decoded checkpoint completely; raises :class:`CheckpointError`."""
     if not isinstance(data, dict):
@@ -155,7 +181,8 @@ def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
     if params.version > MAX_RESTORED_VERSION:
         # A restart continues from it: it must leave room for the swaps to come.
         raise CheckpointError(f"params.version {params.version} leaves no room for new versions (at most {MAX_RESTORED_VERSION})")
-    return Checkpoint(active, params, tuple(classes))
+    overstated = _overstated(data["overstated"]) if "overstated" in data else ()
+    return Checkpoint(active, params, tuple(classes), overstated)
 
 
 def read_checkpoint(path: str, *, max_classes: int) -> Checkpoint | None:

@@ -731,6 +731,7 @@ class WAController:
             self.active,
             self.params,
             tuple((comps, self.estimators[fid].data) for fid, comps in enumerate(self._fine)),
+            tuple(self.tuner.overstated.items()),
         )
         try:
             write_checkpoint(path, ckpt)
@@ -764,7 +765,11 @@ class WAController:
             for fid, label in enumerate(labels.tolist()):
                 groups[label] += self.estimators[fid].data.groups
         # The saved active candidate is not trusted: the tuner starts on LRU and
-        # re-confirms a candidate on this traffic before promoting it.
+        # re-confirms a candidate on this traffic before promoting it, against
+        # the bar the real-cache check raised for it (candidates no longer
+        # configured are dropped).
+        names = set(self.tuner.names) - {LRU}
+        self.tuner.overstated.update((n, v) for n, v in ckpt.overstated if n in names)
         self.params = ckpt.params
         self.version = max(self.version, ckpt.params.version)
         return True
