@@ -79,7 +79,7 @@ def test_a_restart_keeps_what_the_real_cache_check_found_overstated(saved, tmp_p
     """A candidate the real-cache check demoted faces its raised bar after a
     restart too (the evidence is about this traffic); names no longer
     configured are dropped."""
-    c, _, data = saved
+    c, _, _ = saved
     name = "tag+outcome/hyper/posterior/L10"
     assert name in c.tuner.names
     c.tuner.overstated[name] = 0.02
