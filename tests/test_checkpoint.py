@@ -90,6 +90,10 @@ def test_a_restart_keeps_what_the_real_cache_check_found_overstated(saved, tmp_p
     fresh = controller()
     assert fresh.load_checkpoint(str(path))
     assert fresh.tuner.overstated == {name: 0.02}
+    # With the check turned off, its findings raise no bar either.
+    off = controller(tuner_real_check=False)
+    assert off.load_checkpoint(str(path))
+    assert off.tuner.overstated == {}
     # A checkpoint written before the field, or naming a candidate this
     # configuration lacks (or LRU), restores no overstatement.
     for extra in ({}, {"overstated": {"gone/exp/pr/L5": 0.3, "lru": 0.1}}):

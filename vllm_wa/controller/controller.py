@@ -766,10 +766,11 @@ class WAController:
                 groups[label] += self.estimators[fid].data.groups
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it, against
-        # the bar the real-cache check raised for it (candidates no longer
-        # configured are dropped).
-        names = set(self.tuner.names) - {LRU}
-        self.tuner.overstated.update((n, v) for n, v in ckpt.overstated if n in names)
+        # the bar the real-cache check raised for it (unless the check is now
+        # off; candidates no longer configured are dropped).
+        if self.tuner.settings.real_check:
+            names = set(self.tuner.names) - {LRU}
+            self.tuner.overstated.update((n, v) for n, v in ckpt.overstated if n in names)
         self.params = ckpt.params
         self.version = max(self.version, ckpt.params.version)
         return True
