@@ -17,11 +17,12 @@ Format (JSON)::
 
 (components are the finest class's bucketed features, ``"u"`` for an
 unknown timing feature, ``"*"`` for a feature no candidate uses).
-``overstated`` (optional: files written before it lack it) is what the
-real-cache check found each demoted candidate's miniature cache to
-overstate: evidence about this traffic, like the classes' data, so a
-restart keeps it and does not promote the candidate again on the same
-overstated lead (``Tuner.overstated``).
+``overstated`` (optional, and left out while empty, so a build from before
+it still reads the file) is what the real-cache check found each demoted
+candidate's miniature cache to overstate (``Tuner.overstated``): a restart
+keeps it, so the candidate is not promoted again on the same overstated
+lead.  It does not fade with time; a later real-check demotion of the same
+candidate replaces it.
 
 The parameter version lives in ``params.version``; a restart continues from it.
 """
@@ -85,7 +86,7 @@ class Checkpoint:
             "active": self.active,
             "params": self.params.to_pr_json(),
             "classes": [{"components": list(comps), "data": data.state()} for comps, data in self.classes],
-            "overstated": dict(self.overstated),
+            **({"overstated": dict(self.overstated[:MAX_OVERSTATED])} if self.overstated else {}),
         }
 
 

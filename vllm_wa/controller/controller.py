@@ -243,6 +243,8 @@ class WAController:
         self._last_fit = -math.inf
         self._separation = {f: separation_threshold(config.class_confidence, f) for f in FAMILIES}
         self.checkpoint_failures = CheckpointFailures()
+        # Overstatements a checkpoint held that this run does not apply (see load_checkpoint).
+        self._unapplied_overstated: dict[str, float] = {}
         # The state as of the last refit, published for other threads (the
         # engine loop serves /wa/params from it while a refit may be running).
         self.snapshot: dict[str, Any] | None = None
@@ -731,7 +733,9 @@ class WAController:
             self.active,
             self.params,
             tuple((comps, self.estimators[fid].data) for fid, comps in enumerate(self._fine)),
-            tuple(self.tuner.overstated.items()),
+            # The tuner's findings, then those a restart read and did not apply
+            # (the check off, or a candidate not configured now), so they are kept.
+            tuple({**self._unapplied_overstated, **self.tuner.overstated}.items()),
         )
         try:
             write_checkpoint(path, ckpt)
@@ -768,9 +772,9 @@ class WAController:
         # re-confirms a candidate on this traffic before promoting it, against
         # the bar the real-cache check raised for it (unless the check is now
         # off; candidates no longer configured are dropped).
-        if self.tuner.settings.real_check:
-            names = set(self.tuner.names) - {LRU}
-            self.tuner.overstated.update((n, v) for n, v in ckpt.overstated if n in names)
+        names = set(self.tuner.names) - {LRU} if self.tuner.settings.real_check else set()
+        self.tuner.overstated = {n: v for n, v in ckpt.overstated if n in names}
+        self._unapplied_overstated = {n: v for n, v in ckpt.overstated if n not in names}
         self.params = ckpt.params
         self.version = max(self.version, ckpt.params.version)
         return True
