@@ -243,6 +243,23 @@ def test_engine_totals_are_counters_and_labels_are_bounded(engine):
     classes = {s.labels["class"] for s in fams["vllm_wa_freed_blocks"].samples}
     assert tags == {"agent_1", "chat_1"}
     assert classes == {"agent_1.o:stop", "chat_1.o:stop"}  # no tag rows, no unused reserved rows
+    # The tuner: nothing before the first refit publishes its state, then one
+    # series per configured candidate and per switch reason, whatever the traffic.
+    assert "vllm_wa_tuner_active" not in fams or not fams["vllm_wa_tuner_active"].samples
+    engine.clock.advance(2.0)
+    engine.controller.refit()
+    app, _, snapshots = make_app([engine], SETTINGS)  # a fresh copy (the first is cached for 60 s)
+    with TestClient(app) as http:
+        http.get("/wa/params", headers=AUTH)
+    fams = scrape(snapshots)
+    candidates = set(engine.controller.tuner.names)
+    assert fams["vllm_wa_tuner_candidate_seconds"].type == "counter"
+    assert {s.labels["candidate"] for s in fams["vllm_wa_tuner_candidate_seconds"].samples} == candidates
+    active = {s.labels["candidate"]: s.value for s in fams["vllm_wa_tuner_active"].samples}
+    assert set(active) == candidates and sum(active.values()) == 1
+    assert active[engine.controller.active] == 1
+    reasons = {s.labels["reason"] for s in samples(fams["vllm_wa_tuner_switches"]) if s.name.endswith("_total")}
+    assert reasons == {"promote", "demote", "real-check", "replace"}
 
 
 def test_reuse_series_disappear_when_a_class_falls_back_to_the_default(engine):
@@ -335,3 +352,26 @@ def test_the_calibration_gauges_are_the_running_candidates_over_the_last_window(
     assert _calibration(snapshot) == {"sampled_real_hit_ratio": 0.2, "sampled_predicted_hit_ratio": 0.3}
     assert _calibration(None) == {}
     assert _calibration({"active_candidate": "lru", "calibration": {"window": {}}}) == {}
+
+
+def test_the_tuner_metrics_count_each_switch_once_under_its_reason():
+    """A real-check demotion is counted as itself, not also as a plain one; the
+    candidates' seconds and the tuner's choice come from the same snapshot."""
+    from vllm_wa.serving.engine_side import _tuner
+
+    snapshot = {
+        "active_candidate": "wa", "promotions": 3, "demotions": 2, "real_check_demotions": 1, "replacements": 1,
+        "seconds_on_candidate": {"lru": 100.0, "wa": 50.0},
+    }
+    metrics = {"engine": 0, **_tuner(snapshot)}
+    reg = CollectorRegistry()
+    reg.register(WACollector(lambda: [{"enabled": True, "metrics": metrics}]))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    switches = {s.labels["reason"]: s.value for s in fams["vllm_wa_tuner_switches"].samples if s.name.endswith("_total")}
+    assert switches == {"promote": 3, "demote": 1, "real-check": 1, "replace": 1}
+    assert sum(switches.values()) == snapshot["promotions"] + snapshot["demotions"] + snapshot["replacements"]
+    seconds = {s.labels["candidate"]: s.value for s in fams["vllm_wa_tuner_candidate_seconds"].samples
+               if s.name.endswith("_total")}
+    assert seconds == {"lru": 100.0, "wa": 50.0}
+    assert {s.labels["candidate"]: s.value for s in fams["vllm_wa_tuner_active"].samples} == {"lru": 0, "wa": 1}
+    assert _tuner(None) == {}

@@ -575,6 +575,7 @@ def test_the_real_cache_check_demotes_a_candidate_its_miniature_cache_overstates
     checked = run_with_real_cache(True, 0.08)
     reasons = [(sw.reason, sw.to_candidate) for sw in checked.switches]
     assert reasons == [("promote", WA), ("real-check", LRU)]
+    assert checked.demotions == checked.real_check_demotions == 1
     promoted, demoted = checked.switches[0].time, checked.switches[1].time
     assert demoted - promoted <= SETTINGS.demote_window_s
     assert checked.overstated[WA] == pytest.approx(0.08, abs=0.02)

@@ -697,6 +697,7 @@ class WAController:
             "switches": tuner["switches"],
             "promotions": tuner["promotions"],
             "demotions": tuner["demotions"],
+            "real_check_demotions": tuner["real_check_demotions"],
             "replacements": tuner["replacements"],
             "seconds_on_candidate": tuner["seconds_on_candidate"],
             # The running candidate's prediction against the real cache (tuner.calibration).

@@ -301,7 +301,8 @@ class Tuner:
         self.evidence_since = {n: -math.inf for n in self.names}
         self.switches: deque[Switch] = deque(maxlen=50)
         self.promotions = 0
-        self.demotions = 0
+        self.demotions = 0  # every move back to LRU, the real-check's included
+        self.real_check_demotions = 0
         self.replacements = 0
         self.seconds_on = {n: 0.0 for n in self.names}
         self._last = None
@@ -404,6 +405,7 @@ class Tuner:
         if demote is not None:
             reason, cmp, lb = demote
             if reason == "real-check":
+                self.real_check_demotions += 1
                 # Its miniature cache overstates it: later leads are discounted by as much.
                 self.overstated[self.active] = max(0.0, self.calibration.overstatement(self.active_since, self.active))
             self.evidence_since[self.active] = now
@@ -474,6 +476,7 @@ class Tuner:
             "active": self.active,
             "promotions": self.promotions,
             "demotions": self.demotions,
+            "real_check_demotions": self.real_check_demotions,
             "replacements": self.replacements,
             "switches": [sw.to_json() for sw in self.switches],
             "seconds_on_candidate": {n: round(v, 3) for n, v in self.seconds_on.items()},

@@ -227,6 +227,7 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
     }
     out.update(_live_counters(ewa))
     out.update(_calibration(c.snapshot))
+    out.update(_tuner(c.snapshot))
     return out
 
 
@@ -241,6 +242,28 @@ def _calibration(snapshot: dict[str, Any] | None) -> dict[str, Any]:
     if not cal or not cal.get("lookups"):
         return {}
     return {"sampled_real_hit_ratio": cal["real_hit_rate"], "sampled_predicted_hit_ratio": cal["predicted_hit_rate"]}
+
+
+def _tuner(snapshot: dict[str, Any] | None) -> dict[str, Any]:
+    """The tuner's switches by reason, and per candidate its seconds run and
+    whether it is the tuner's choice, as of the last refit (absent before
+    it).  Candidates come from the controller config: a bounded label set."""
+    if not snapshot:
+        return {}
+    demotions = snapshot.get("demotions", 0)
+    real_check = snapshot.get("real_check_demotions", 0)
+    switches = {
+        "promote": snapshot.get("promotions", 0),
+        "demote": demotions - real_check,  # each switch counted once, under its own reason
+        "real-check": real_check,
+        "replace": snapshot.get("replacements", 0),
+    }
+    active = snapshot.get("active_candidate")
+    seconds = snapshot.get("seconds_on_candidate") or {}
+    return {
+        "tuner_switches": {reason: {"count": n} for reason, n in switches.items()},
+        "candidates": {name: {"seconds": s, "active": int(name == active)} for name, s in seconds.items()},
+    }
 
 
 def _live_counters(ewa: EngineWA) -> dict[str, Any]:

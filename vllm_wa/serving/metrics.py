@@ -9,8 +9,9 @@ snapshots (see :mod:`vllm_wa.serving.snapshots`), so
   default model, simply has no series any more: nothing keeps a stale value.
 
 Series are labelled by ``engine`` (the data-parallel rank) and ``class``
-(eviction class) or ``tag`` (workload tag, for hit accounting); both sets
-are bounded by the class caps.  vLLM serves ``/metrics`` from the global
+(eviction class) or ``tag`` (workload tag, for hit accounting), both sets
+bounded by the class caps, or by the tuner's ``candidate`` (from the
+controller config) or switch ``reason`` (four).  vLLM serves ``/metrics`` from the global
 registry, or, with several API servers, from a fresh multiprocess registry
 per scrape: :func:`install` puts the collector in both.
 """
@@ -89,6 +90,24 @@ CLASS_GAUGES = {
         "Fitted probability that a freed block of the class is reused; absent for the default.",
     ),
 }
+# The tuner's switches, labelled by ``reason``: promote, demote, real-check, replace.
+SWITCH_COUNTERS = {
+    "count": (
+        "vllm_wa_tuner_switches",
+        "Changes of the tuner's running candidate, by reason (promote, demote: back to LRU, "
+        "real-check: back to LRU on the real cache's hits, replace).",
+    ),
+}
+# Per configured ``candidate``.
+CANDIDATE_COUNTERS = {
+    "seconds": ("vllm_wa_tuner_candidate_seconds", "Seconds the tuner has run each candidate (as of the last refit)."),
+}
+CANDIDATE_GAUGES = {
+    "active": (
+        "vllm_wa_tuner_active",
+        "1 for the candidate the tuner runs (the live queue runs it unless parameters are pinned), 0 for the others.",
+    ),
+}
 TAG_COUNTERS = {
     "hit_tokens": ("vllm_wa_prefix_cache_hit_tokens", "Prompt tokens that hit the prefix cache, by workload tag."),
     "queried_tokens": ("vllm_wa_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache, by workload tag."),
@@ -119,6 +138,9 @@ class WACollector:
             ("classes", CLASS_COUNTERS, CounterMetricFamily, "class"),
             ("classes", CLASS_GAUGES, GaugeMetricFamily, "class"),
             ("tags", TAG_COUNTERS, CounterMetricFamily, "tag"),
+            ("tuner_switches", SWITCH_COUNTERS, CounterMetricFamily, "reason"),
+            ("candidates", CANDIDATE_COUNTERS, CounterMetricFamily, "candidate"),
+            ("candidates", CANDIDATE_GAUGES, GaugeMetricFamily, "candidate"),
         ):
             for key, (name, doc) in table.items():
                 rows = (
