@@ -94,8 +94,10 @@ CLASS_GAUGES = {
 SWITCH_COUNTERS = {
     "count": (
         "vllm_wa_tuner_switches",
-        "Changes of the tuner's running candidate, by reason (promote, demote: back to LRU, "
-        "real-check: back to LRU on the real cache's hits, replace).",
+        (
+            "Changes of the tuner's running candidate, by reason (promote, demote: back to LRU, "
+            "real-check: back to LRU on the real cache's hits, replace)."
+        ),
     ),
 }
 # Per configured ``candidate``.
