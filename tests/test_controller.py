@@ -634,6 +634,27 @@ def test_pin_and_unpin():
     assert c.pinned is None and c.state_light()["mode"] == "auto"
 
 
+def test_a_pin_that_cannot_be_applied_leaves_the_controller_as_it_was():
+    """The queue refused the pin's swap: no "pinned" mode over the old
+    parameters, and later refits apply the learned ones without errors."""
+    sink = EventSink()
+    applied = Applied()
+    c = WAController(small_config(), 200, applied, sink, clock=lambda: 1.0)
+    c.refit()
+    calls = len(applied.calls)
+
+    def refuse(params, key):
+        raise ValueError("the queue refused these parameters")
+
+    c.apply = refuse
+    with pytest.raises(ValueError):
+        c.pin(WAParams.from_pr_json({"a": {"x": 0.5}, "p": {"x": 0.5}}), ("tag",))
+    assert c.pinned is None and c.state_light()["mode"] == "auto"
+    c.apply = applied
+    c.refit()
+    assert c.errors == 0 and len(applied.calls) >= calls
+
+
 def test_checkpoint_round_trip_and_corrupt_file(tmp_path, caplog):
     sink = EventSink()
     clock = [0.0]

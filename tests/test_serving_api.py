@@ -106,6 +106,24 @@ def test_a_pin_shows_in_the_next_get(engine):
         assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["mode"] == "pinned"
 
 
+@pytest.mark.parametrize("params", [
+    {"a": {"agent_1": 1e-300}, "p": {"agent_1": 1e-30}, "mode": "ttl"},
+])
+def test_a_pin_of_extreme_but_valid_numbers_is_applied_and_refits_go_on(engine, params):
+    """Each number passes its own check; together they once made a time to live
+    of log(0): the pin's swap failed, the engine said "pinned" over its old
+    parameters, and every refit failed after it."""
+    app, _, _ = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        r = http.put("/wa/params", json={"params": params}, headers=AUTH)
+        assert r.status_code == 200, r.text
+    c = engine.controller
+    assert c.pinned is not None and c.params.mode == "ttl"
+    engine.clock.advance(2.0)
+    c.refit()
+    assert c.errors == 0 and c.params.mode == "ttl"
+
+
 def test_pins_cross_vllms_msgpack_channel_as_parsed(engine):
     """Integers of any size are valid JSON numbers: the engines get the parsed
     pin (floats), never the client's raw body, so a pin never fails to encode."""

@@ -248,7 +248,8 @@ def time_to_live(model: ReuseModel, break_even_s: float) -> float:
     maximum is where it crosses ``1 / B`` (0 when it starts below): found by
     bisection on the log of the density.
     """
-    terms = [(math.log(w * r), r) for w, r in zip(model.weights, model.rates) if w > 0.0 and r > 0.0]
+    # log(w) + log(r), not log(w * r): the product of two tiny positive numbers rounds to 0.
+    terms = [(math.log(w) + math.log(r), r) for w, r in zip(model.weights, model.rates) if w > 0.0 and r > 0.0]
     target = -math.log(break_even_s)
     if not terms or _logsumexp([c for c, _ in terms]) <= target:
         return 0.0
@@ -415,7 +416,15 @@ class WAParams:
         if "stamp" in data:
             kwargs["stamp"] = data["stamp"]
         kwargs.update(overrides)
-        return cls(**kwargs)
+        params = cls(**kwargs)
+        try:
+            # Build every scorer now: numbers that pass each check one by one can
+            # still fail together (a pin, a params file or a checkpoint must be
+            # refused here, not break the controller's next swap).
+            params.compile()
+        except (ArithmeticError, ValueError) as e:
+            raise ParamsError(f"parameters cannot be compiled into scores: {e}") from None
+        return params
 
     @classmethod
     def load(cls, path: str, **overrides: Any) -> WAParams:

@@ -628,12 +628,20 @@ class WAController:
         """Run fixed parameters (learning continues); validated by the caller."""
         key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
         with self._swap_lock:
+            before = (self.pinned, self._pinned_key, self._applied_candidate)
             self.pinned = params.evolve(source="pinned")
             self._pinned_key = key
             # An operator's pin lands as sent, even within ``swap_tolerance``
             # of what runs (the tolerance spares the engine the refits' jitter).
             self._applied_candidate = None
-        self._swap(self.clock())
+        try:
+            self._swap(self.clock())
+        except Exception:
+            # A pin that cannot be applied leaves nothing behind: not a "pinned"
+            # mode over the old parameters, nor a target every refit fails on.
+            with self._swap_lock:
+                self.pinned, self._pinned_key, self._applied_candidate = before
+            raise
 
     def unpin(self) -> None:
         with self._swap_lock:
