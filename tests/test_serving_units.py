@@ -19,7 +19,7 @@ from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
 from vllm_wa.serving import metrics as metrics_mod
-from vllm_wa.serving.engine_side import EngineWA, external_request_id
+from vllm_wa.serving.engine_side import EngineWA, api_request_id, external_request_id
 from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL
 from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving import settings as settings_mod
@@ -153,23 +153,63 @@ def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
     assert report_counts() == (before[0] + 7, before[1])
 
 
-def test_outcome_reports_reclassify_engine_blocks():
+def engine_with_outcome_key(num_blocks: int = 20):
+    """A real KV-cache manager with the WA queue keyed by tag and outcome, and
+    the engine core object the utility calls get: ``(manager, handle, ewa, core)``."""
     from vllm_wa.controller.features import FeatureKey
 
-    m = make_manager(20)
+    m = make_manager(num_blocks)
     handles = []
 
     def install(sink, registry, key, conversations):
         h = install_wa_queue(m.block_pool, None, sink=sink, registry=registry, class_key=FeatureKey(("tag", "outcome")))
         h.tagger.request_key = external_request_id
+        h.tagger.request_group = api_request_id
         handles.append(h)
         return h.queue, h.tagger
 
-    controller = start_online(ControllerConfig(), 20, install)
+    controller = start_online(ControllerConfig(), num_blocks, install)
     h = handles[0]
     ewa = EngineWA(h, controller, scheduler=SimpleNamespace(shutdown=lambda wait: None),
                    settings=ServingSettings(online=True), engine_index=0, block_size=16)
-    core = SimpleNamespace(scheduler=SimpleNamespace(_vllm_wa_engine=ewa))
+    return m, h, ewa, SimpleNamespace(scheduler=SimpleNamespace(_vllm_wa_engine=ewa))
+
+
+def test_a_late_outcome_reaches_the_request_released_last_under_its_id_and_ids_are_bounded():
+    """Two API calls that sent the same id: a tool report re-files the one whose
+    reply just ended, not the other client's (they differ in vLLM's random
+    suffix); the children of one n > 1 call move together.  A request id over
+    MAX_LATE_FACT_ID characters is not remembered (counted), and a report under
+    such an id is invalid: 4,096 remembered 1-MB ids would hold 8 GB."""
+    from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID
+
+    m, h, ewa, core = engine_with_outcome_key(40)
+
+    def serve(rid: str, first_token: int) -> None:
+        r = make_request(rid, list(range(first_token, first_token + 16 * 2 + 1)), tag="agent")
+        run_prefill(m, r)
+        finish(m, r)
+
+    serve("chatcmpl-7-aaaaaaaa", 0)  # another client's earlier call with the same id
+    serve("chatcmpl-7-bbbbbbbb", 1000)
+    assert engine_side.wa_report_outcomes(core, [["chatcmpl-7", "tool"]]) == 2
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 2, "agent.o:tool": 2}
+    serve("0_chatcmpl-8-cccccccc", 2000)  # one call, n = 2
+    serve("1_chatcmpl-8-cccccccc", 3000)
+    assert engine_side.wa_report_outcomes(core, [["chatcmpl-8", "tool"]]) == 4
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 2, "agent.o:tool": 6}
+
+    long_id = "x" * (MAX_LATE_FACT_ID + 1)
+    serve(long_id + "-dddddddd", 4000)
+    assert h.tagger.long_request_ids == 1 and long_id not in h.tagger._finished
+    assert engine_side.wa_report_outcomes(core, [[long_id, "tool"]]) == 0
+    assert ewa.invalid_reports == 1
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 4, "agent.o:tool": 6}
+    assert engine_side.wa_get_metrics(core)["long_request_ids"] == 1
+
+
+def test_outcome_reports_reclassify_engine_blocks():
+    m, h, ewa, core = engine_with_outcome_key()
     r = make_request("chatcmpl-42-0a1b2c3d", list(range(16 * 3 + 2)), tag="agent")
     run_prefill(m, r)
     finish(m, r, RequestStatus.FINISHED_STOPPED)

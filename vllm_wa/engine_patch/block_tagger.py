@@ -52,6 +52,10 @@ MAX_LIVE_REQUESTS = 1 << 16
 # outcomes, all together; past it the oldest releases' are dropped (a late
 # outcome then refiles the live queue's blocks but not the controller's view).
 MAX_REPORTED_BLOCKS = 1 << 16
+# Releases are remembered for late outcomes under request ids of at most this
+# many characters: vLLM bounds neither a client's X-Request-Id nor a body's
+# request_id, and 4,096 remembered releases of 1-MB ids would hold 8 GB.
+MAX_LATE_FACT_ID = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +186,12 @@ class BlockTagger:
         # Maps an engine request id to the id late facts are reported under
         # (the API server knows its own, external id).
         self.request_key: Callable[[str], str] = str
+        # Maps an engine request id to the one request (API call) it belongs
+        # to: the children of an ``n > 1`` request share it, and two clients
+        # that send the same id do not (see reclassify).
+        self.request_group: Callable[[str], str] = str
+        # Releases not remembered because their request id was over MAX_LATE_FACT_ID.
+        self.long_request_ids = 0
         self.hit_blocks_by_tag = [0] * self.tags.max_classes
         self.queried_blocks_by_tag = [0] * self.tags.max_classes
         self._pending_outcome: OrderedDict[str, str] = OrderedDict()
@@ -433,7 +443,10 @@ class BlockTagger:
             # release, and consumers (the miniature caches) still hold it.
             return
         if self._remember:
-            self._remember_freed(key, req, [blocks, *extra_groups], now, reported)
+            if len(key) <= MAX_LATE_FACT_ID:
+                self._remember_freed(key, req, [blocks, *extra_groups], now, reported)
+            else:
+                self.long_request_ids += 1
         if look is not None and look.timing is not None and self.conversations is not None:
             self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
         if self.sink is not None:
@@ -599,6 +612,8 @@ class BlockTagger:
         FREED and FINISHED events carried the outcome it had then.  Returns
         the number of blocks moved.
         """
+        if len(request_id) > MAX_LATE_FACT_ID:
+            return 0  # no release is remembered under such an id (on_free)
         recs = self._finished.get(request_id)
         if recs is None:
             if not pending:
@@ -607,11 +622,19 @@ class BlockTagger:
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
             return 0
+        # The fact is about the request released last under this id: its
+        # reply has just ended.  Earlier releases under the same id from other
+        # requests (clients that reuse an id) keep their outcome; the children
+        # of one n > 1 request share the group and move together.
+        group = self.request_group
+        latest = group(recs[-1].tags.request_id)
         # A fact it already carries changes nothing (the same report twice, or the engine's own outcome).
         return sum(
             self._reclassify(rec, outcome)
             for rec in recs
-            if rec.tags.outcome not in ENGINE_FINAL_OUTCOMES and rec.tags.outcome != outcome
+            if group(rec.tags.request_id) == latest
+            and rec.tags.outcome not in ENGINE_FINAL_OUTCOMES
+            and rec.tags.outcome != outcome
         )
 
     def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FeatureKey
-from vllm_wa.engine_patch.block_tagger import OUTCOMES
+from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID, OUTCOMES
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
@@ -40,6 +40,13 @@ _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 def external_request_id(engine_request_id: str) -> str:
     """The API server's id of an engine request: drop ``{i}_`` and ``-<8 hex>``."""
     return _SUFFIX.sub("", _N_PREFIX.sub("", engine_request_id))
+
+
+def api_request_id(engine_request_id: str) -> str:
+    """The API call an engine request belongs to: drop ``{i}_`` (an ``n > 1``
+    request's children), keep vLLM's random ``-<8 hex>``, which tells apart
+    two calls that sent the same id."""
+    return _N_PREFIX.sub("", engine_request_id)
 
 
 @dataclass
@@ -83,6 +90,7 @@ def _attach(sched: Any) -> None:
     ) -> tuple[Any, Any]:
         h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key, conversations=conversations)
         h.tagger.request_key = external_request_id
+        h.tagger.request_group = api_request_id
         handles.append(h)
         return h.queue, h.tagger
 
@@ -173,7 +181,13 @@ def wa_report_outcomes(self: Any, items: list[Any]) -> int:
     moved = 0
     ewa.reports_over_limit += max(0, len(items) - MAX_OUTCOME_REPORTS_PER_CALL)
     for item in items[:MAX_OUTCOME_REPORTS_PER_CALL]:
-        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[1] in OUTCOMES):
+        if not (
+            isinstance(item, (list, tuple))
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and len(item[0]) <= MAX_LATE_FACT_ID  # no release is remembered under a longer id
+            and item[1] in OUTCOMES
+        ):
             ewa.invalid_reports += 1
             continue
         moved += ewa.handle.tagger.reclassify(item[0], item[1])
@@ -281,6 +295,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
         "tags_over_class_cap": t.tag_counters.over_cap,
         "releases_over_class_cap": t.releases_over_class_cap,
         "refiles_over_class_cap": t.refiles_over_class_cap,
+        "long_request_ids": t.long_request_ids,
         "outcomes_reclassified": t.reclassified_requests,
         "invalid_outcome_reports": ewa.invalid_reports,
         "outcome_reports_dropped": ewa.reports_over_limit,

@@ -42,6 +42,10 @@ ENGINE_COUNTERS = {
         "Watched block releases and re-files the controller filed under a coarser class because its finest-class table was full.",
     ),
     "hook_errors": ("vllm_wa_hook_errors", "Errors caught in the engine hooks."),
+    "long_request_ids": (
+        "vllm_wa_long_request_ids",
+        "Finished requests not remembered for late outcome reports: their id was over 256 characters.",
+    ),
     "tags_missing": ("vllm_wa_missing_tags", "Requests without a workload tag."),
     "tags_invalid": ("vllm_wa_invalid_tags", "Requests whose workload tag was invalid (or a reserved name)."),
     "tags_over_class_cap": ("vllm_wa_tags_over_class_cap", "Requests whose new tag found the tag registry full."),
