@@ -151,6 +151,10 @@ def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
     run_reporter_until(reporter, lambda: reporter.reported == 7)
     assert calls == [3, 3, 1] and reporter.dropped == 0
     assert report_counts() == (before[0] + 7, before[1])
+    # Sent at once (a benchmark hint for a completion of many prompts): the same limit.
+    calls.clear()
+    asyncio.run(reporter.report_now([[f"cmpl-x-{i}", "tool"] for i in range(8)]))
+    assert calls == [3, 3, 2] and reporter.reported == 15
 
 
 def engine_with_outcome_key(num_blocks: int = 20):

@@ -74,13 +74,17 @@ class OutcomeReporter:
 
     async def report_now(self, items: list[list[str]]) -> None:
         """Send facts at once, not in the next batch: a benchmark outcome hint
-        must reach the engine before its request does (see ``outcome_hints``)."""
-        try:
-            await call_engines(self.engine_client, "wa_report_outcomes", items)
-        except Exception as e:
-            self._drop(len(items), f"the engines refused a report: {e}")
-            raise
-        self._sent(len(items))
+        must reach the engine before its request does (see ``outcome_hints``).
+        At most ``MAX_OUTCOME_REPORTS_PER_CALL`` a call, as the batches (a
+        completion of many prompts has a fact for each)."""
+        for start in range(0, len(items), MAX_OUTCOME_REPORTS_PER_CALL):
+            chunk = items[start : start + MAX_OUTCOME_REPORTS_PER_CALL]
+            try:
+                await call_engines(self.engine_client, "wa_report_outcomes", chunk)
+            except Exception as e:
+                self._drop(len(items) - start, f"the engines refused a report: {e}")
+                raise
+            self._sent(len(chunk))
 
     async def run(self) -> None:
         while True:
