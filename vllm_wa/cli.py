@@ -1,4 +1,5 @@
-"""``vllm-wa``: replay traces, profile parameters, synthesize traces, benchmark a server, run the demo."""
+"""``vllm-wa``: replay traces, profile parameters, synthesize traces, benchmark a server, check a
+server's files, run the demo."""
 
 from __future__ import annotations
 
@@ -286,6 +287,17 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from vllm_wa.serving.preflight import preflight
+
+    if not (args.controller_config or args.params or args.checkpoint):
+        raise SystemExit("vllm-wa check: name at least one of --controller-config, --params, --checkpoint")
+    findings = preflight(args.controller_config, args.params, args.checkpoint)
+    for f in findings:
+        print(f)
+    return 0 if all(f.ok for f in findings) else 1
+
+
 def sample_path(name: str) -> str:
     return str(resources.files("vllm_wa") / "data" / name)
 
@@ -370,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_synth)
 
     add_bench_serve(sub)
+
+    p = sub.add_parser("check", help="check the files vllm serve --wa-online will read (exit 1 if one is refused)")
+    p.add_argument("--controller-config", help="the --wa-config TOML (its seed_params and checkpoint_path too)")
+    p.add_argument("--params", help="the --wa-params JSON")
+    p.add_argument("--checkpoint", help="a controller checkpoint (default: the config's checkpoint_path)")
+    p.set_defaults(fn=cmd_check)
 
     p = sub.add_parser("demo", help="replay the bundled real sample and plot it")
     p.add_argument("--out-dir", default="out")

@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 MAX_FINE_CLASSES = 4096
 # Finest classes past the cap that keep their tag and outcome (a tag cap's worth of outcomes).
 FOLDED_ROOM = 1024
+# Finest classes a checkpoint may hold: the cap, the folded ones and "other".
+CHECKPOINT_MAX_CLASSES = MAX_FINE_CLASSES + FOLDED_ROOM + 1
 # Once the table holds this many, a finest class with no block freed into it,
 # reused or censored for ``class_retire_s`` and none still watched gives its slot back (checked
 # every tenth of that time), so a long-running server whose tags change keeps
@@ -756,7 +758,7 @@ class WAController:
     def load_checkpoint(self, path: str) -> bool:
         """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
         try:
-            ckpt = read_checkpoint(path, max_classes=MAX_FINE_CLASSES + FOLDED_ROOM + 1)
+            ckpt = read_checkpoint(path, max_classes=CHECKPOINT_MAX_CLASSES)
         except CheckpointError as e:
             logger.warning("vllm-wa: ignoring checkpoint %s (%s); starting from the prior", path, e)
             return False
