@@ -38,18 +38,14 @@ from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
 Clock = Callable[[], float]
 _INF = math.inf
-# Log scores are compared to this many decimals: two classes whose models give
-# the same score (a memoryless model's score does not depend on the idle
-# time) then tie, and the older stamp goes first, as in LRU.  Compared
-# exactly, the last bits of two logs decided instead: with the prior model
+# Class heads whose log scores differ by at most this much tie, and the older
+# stamp goes first, as in LRU: two classes left to one memoryless model (its
+# score does not depend on the idle time) score alike but for the last bits
+# of their logs.  Compared exactly, those bits decided: with the prior model
 # (exponential, p = 1) for every class but one unused class, the Mooncake
 # trace at 20 % (``--cut 1800``) evicted newer blocks first and lost 0.2 to
 # 1.3 points against its miniature cache, which ran LRU.
-_SCORE_DECIMALS = 9
-
-
-def _score_key(score: float) -> float:
-    return round(score, _SCORE_DECIMALS)
+_SCORE_TIE = 1e-9
 
 
 # Stamps per bucket of a _SortedStamps (a bucket splits past twice this).
@@ -639,22 +635,36 @@ class WorkloadAwareFreeQueue:
             b = heads[c].next_free_block
             if b is not tails[c]:
                 s = stamp_of[b.block_id]
-                keys[c] = (0.0 if uniform else _score_key(active.scorer(c).log_score(now - s)), s)
+                keys[c] = (0.0 if uniform else active.scorer(c).log_score(now - s), s)
         return keys
+
+    @staticmethod
+    def _first(keys: dict[int, tuple[float, float]]) -> int:
+        """The class to evict from first: the lowest score, the oldest stamp among
+        the heads that tie with it (within ``_SCORE_TIE``)."""
+        best = min(keys, key=keys.__getitem__)
+        low, stamp = keys[best]
+        for c, (score, s) in keys.items():
+            if s < stamp and score - low <= _SCORE_TIE:
+                best, stamp = c, s
+        return best
 
     def _reselect(self, now: float) -> None:
         """Find the class whose head is the exact minimum, and how far its run goes."""
         active = self._active
         keys = self._head_keys(active, now)
-        best = min(keys, key=keys.__getitem__)
+        best = self._first(keys)
         best_score = keys.pop(best)[0]
         if not keys:
             below = _INF
         else:
             second = min(keys.values())
-            if active.uniform or second[0] == best_score:
-                # Tied scores: stamp order decides, as in LRU.
+            tied = [s for score, s in keys.values() if abs(score - best_score) <= _SCORE_TIE]
+            if active.uniform:
                 below = second[1]
+            elif tied:
+                # Heads that tie with the best's: stamp order decides, as in LRU.
+                below = min(tied)
             else:
                 idle = active.scorer(best).idle_below(second[0])
                 # Stamps clearly below the crossing beat the runner-up; the
@@ -694,9 +704,9 @@ class WorkloadAwareFreeQueue:
             if b is not self._tails[c]:
                 cursors[c] = b
                 s = stamp_of[b.block_id]
-                keys[c] = (0.0 if active.uniform else _score_key(active.scorer(c).log_score(now - s)), s)
+                keys[c] = (0.0 if active.uniform else active.scorer(c).log_score(now - s), s)
         while keys:
-            c = min(keys, key=keys.__getitem__)
+            c = self._first(keys)
             b = cursors[c]
             yield b
             nxt = b.next_free_block
@@ -705,7 +715,7 @@ class WorkloadAwareFreeQueue:
                 continue
             cursors[c] = nxt
             s = stamp_of[nxt.block_id]
-            keys[c] = (0.0 if active.uniform else _score_key(active.scorer(c).log_score(now - s)), s)
+            keys[c] = (0.0 if active.uniform else active.scorer(c).log_score(now - s), s)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in current eviction order. Mainly used for testing."""
