@@ -343,11 +343,11 @@ class Tuner:
                 continue
             conf = self._leave_lru_confidence if self.active == LRU else s.confidence
             z = sequential_z(cmp.batches, conf, s.min_batches)
-            margin = s.margin + self.overstated.get(name, 0.0)
+            margin = self._margin(name, s.margin)
             full_lru_move = cmp.batches >= self._full_batches and LRU in (name, self.active)
             if full_lru_move and cmp.requests >= s.full_window_min_requests:
                 z = min(z, self._z_full)
-                margin = s.full_window_margin + self.overstated.get(name, 0.0)
+                margin = self._margin(name, s.full_window_margin)
             lb = cmp.lower(z)
             if lb > margin and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
@@ -357,6 +357,11 @@ class Tuner:
                     best = (name, *short)
         return best
 
+    def _margin(self, name: str, base: float) -> float:
+        """The margin a move to ``name`` clears: ``base``, plus what the
+        real-cache check found its miniature cache to overstate."""
+        return base + self.overstated.get(name, 0.0)
+
     def _short_look(self, name: str, now: float) -> tuple[Comparison, float] | None:
         """The lead of ``name`` over the running candidate in the short window, if it clears its bar."""
         s = self.settings
@@ -364,7 +369,7 @@ class Tuner:
         if cmp.batches < self._short_batches or cmp.requests < self._short_min_requests:
             return None
         lb = cmp.lower(self._z_short)
-        return (cmp, lb) if lb > s.full_window_margin + self.overstated.get(name, 0.0) else None
+        return (cmp, lb) if lb > self._margin(name, s.full_window_margin) else None
 
     def _demotion(self, now: float) -> tuple[str, Comparison, float] | None:
         """LRU's miniature cache leads the running candidate's (``demote``), or
@@ -447,7 +452,7 @@ class Tuner:
             if cmp.batches < 3:
                 continue
             lb = cmp.lower(self._replace_quantile(cmp.batches))
-            if lb > s.margin + self.overstated.get(name, 0.0) and (best is None or lb > best[2]):
+            if lb > self._margin(name, s.margin) and (best is None or lb > best[2]):
                 best = (name, cmp, lb)
         return best
 

@@ -36,7 +36,7 @@ class Finding:
 def _params(what: str, path: str) -> Finding:
     try:
         p = WAParams.load(path)
-    except (ParamsError, OSError) as e:
+    except ParamsError as e:  # unreadable files too (WAParams.load says so)
         return Finding(what, path, False, f"the server would not start: {e}")
     return Finding(what, path, True, f"{len(p.models)} classes, mode {p.mode}, L = {p.horizon:g} s")
 
@@ -70,7 +70,7 @@ def preflight(
     if config_path:
         try:
             config = ControllerConfig.load(config_path)
-        except (ConfigError, OSError) as e:
+        except ConfigError as e:  # unreadable files too (ControllerConfig.load says so)
             out.append(Finding("controller config", config_path, False, f"the server would not start: {e}"))
         else:
             n = len(config.all_candidates)
