@@ -758,6 +758,9 @@ def test_config_file_errors_name_the_file(tmp_path):
     p.write_text("[tuner]\nwindow_s = 0\n")
     with pytest.raises(ConfigError, match="tuner_window_s"):
         ControllerConfig.load(str(p))
+    p.write_bytes(b"\xff\xfe[controller]\n")  # not UTF-8: a clear error too, not a UnicodeDecodeError
+    with pytest.raises(ConfigError, match="c.toml.*not UTF-8"):
+        ControllerConfig.load(str(p))
 
 
 def test_candidate_names_and_lru_always_present():

@@ -26,9 +26,15 @@ TOMLDecodeError = tomllib.TOMLDecodeError
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """Parse a TOML file; raises ``OSError`` or :data:`TOMLDecodeError`."""
+    """Parse a TOML file; raises ``OSError`` or :data:`TOMLDecodeError` (a
+    file that is not UTF-8 too: ``tomllib`` would raise ``UnicodeDecodeError``)."""
     with open(path, "rb") as f:
-        return tomllib.load(f)
+        data = f.read()
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        raise TOMLDecodeError(f"not UTF-8 text: {e}") from None
+    return tomllib.loads(text)
 
 
 def opener_for(path: str) -> Callable[..., IO[Any]]:
