@@ -28,7 +28,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.serving import api_side, engine_side
-from vllm_wa.serving.engine_side import EngineWA, api_request_id, external_request_id
+from vllm_wa.serving.engine_side import EngineWA, match_api_reports
 from vllm_wa.serving.params_api import make_router
 from vllm_wa.serving.settings import ServingSettings
 from vllm_wa.serving.snapshots import EngineSnapshots
@@ -49,8 +49,7 @@ class Engine:
         def install(sink, registry, key, conversations):
             h = install_wa_queue(self.manager.block_pool, None, clock=self.clock, sink=sink, registry=registry,
                                  class_key=key, conversations=conversations)
-            h.tagger.request_key = external_request_id
-            h.tagger.request_group = api_request_id
+            match_api_reports(h.tagger)
             handles.append(h)
             return h.queue, h.tagger
 

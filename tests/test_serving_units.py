@@ -19,7 +19,7 @@ from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import ParamsError
 from vllm_wa.serving import api_side, engine_side
 from vllm_wa.serving import metrics as metrics_mod
-from vllm_wa.serving.engine_side import EngineWA, api_request_id, external_request_id
+from vllm_wa.serving.engine_side import EngineWA, external_request_id, match_api_reports
 from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL
 from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving import settings as settings_mod
@@ -167,8 +167,7 @@ def engine_with_outcome_key(num_blocks: int = 20):
 
     def install(sink, registry, key, conversations):
         h = install_wa_queue(m.block_pool, None, sink=sink, registry=registry, class_key=FeatureKey(("tag", "outcome")))
-        h.tagger.request_key = external_request_id
-        h.tagger.request_group = api_request_id
+        match_api_reports(h.tagger)
         handles.append(h)
         return h.queue, h.tagger
 

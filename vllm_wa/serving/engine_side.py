@@ -49,6 +49,13 @@ def api_request_id(engine_request_id: str) -> str:
     return _N_PREFIX.sub("", engine_request_id)
 
 
+def match_api_reports(tagger: Any) -> None:
+    """Have ``tagger`` file releases under the ids the API server reports late
+    outcomes by, telling apart calls that sent the same id."""
+    tagger.request_key = external_request_id
+    tagger.request_group = api_request_id
+
+
 @dataclass
 class EngineWA:
     """What ``--wa-online`` runs inside one engine core."""
@@ -89,8 +96,7 @@ def _attach(sched: Any) -> None:
         sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
     ) -> tuple[Any, Any]:
         h = install_wa_queue(pool, prior, sink=sink, registry=registry, class_key=key, conversations=conversations)
-        h.tagger.request_key = external_request_id
-        h.tagger.request_group = api_request_id
+        match_api_reports(h.tagger)
         handles.append(h)
         return h.queue, h.tagger
 
