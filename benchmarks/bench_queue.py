@@ -45,6 +45,7 @@ from vllm_wa.workload_classes import ClassRegistry
 
 NUM_CLASSES = 8
 RUN = 32  # blocks per request
+OFFLOAD_WALK = 512  # blocks vLLM's lazy CPU offload looks ahead at a step (offload_walk)
 REQUEST_KINDS = ("vllm", "wa", "wa+timing", "wa+timing+lookup")
 TIMING = ("think", "reply", "growth", "turn")  # request features the engine derives from the prefix chain
 
@@ -126,6 +127,15 @@ def run(kind: str, n: int, seed: int) -> dict[str, float]:
             for run_blocks, c in zip(recent, targets):
                 q.refile(run_blocks, c)
         t_refile = (time.perf_counter_ns() - t0) / max(1, len(recent) * RUN)
+        # offload_walk: vLLM's lazy CPU offload walks the next blocks to go
+        # at every step (``iter_blocks_after``; 512 blocks is 8,192 batched
+        # tokens of 16); the WA queue walks them from its first block.
+        walks = 20
+        t0 = time.perf_counter_ns()
+        for _ in range(walks):
+            for _ in zip(range(OFFLOAD_WALK), q.iter_blocks_after(None)):
+                pass
+        t_walk = (time.perf_counter_ns() - t0) / (walks * OFFLOAD_WALK)
         # remove: prefix hits on free blocks, in a random order.
         victims = [b for b in rng.sample(blocks, n // 4) if b.next_free_block is not None]
         t0 = time.perf_counter_ns()
@@ -134,7 +144,10 @@ def run(kind: str, n: int, seed: int) -> dict[str, float]:
         t_remove = (time.perf_counter_ns() - t0) / len(victims)
     finally:
         gc.enable()
-    return {"popleft_n": t_pop, "popleft": t_pop1, "append_n": t_append, "refile": t_refile, "remove": t_remove}
+    return {
+        "popleft_n": t_pop, "popleft": t_pop1, "append_n": t_append, "refile": t_refile, "remove": t_remove,
+        "offload_walk": t_walk,
+    }
 
 
 def run_pool(kind: str, n: int, seed: int) -> dict[str, float]:
@@ -273,7 +286,7 @@ def main() -> None:
     rows = []
     for n in sizes:
         for bench, ops, prefix in (
-            (run, ("popleft_n", "popleft", "append_n", "refile", "remove"), ""),
+            (run, ("popleft_n", "popleft", "append_n", "refile", "remove", "offload_walk"), ""),
             (run_pool, ("get_new_blocks", "free_blocks", "touch"), "pool."),
         ):
             best = best_of(bench, n, args.rounds)

@@ -548,15 +548,46 @@ def test_lookup_stamped_lists_match_a_sorted_model_through_hits_evictions_refile
         assert _class_lists(q, cids) == expect
 
 
-def test_iter_blocks_after_follows_eviction_order():
-    clock = SettableClock()
-    blocks = [KVCacheBlock(i) for i in range(6)]
-    q = WorkloadAwareFreeQueue(blocks, None, clock=clock)
-    order = q.get_all_free_blocks()
-    assert ids(q.iter_blocks_after(None)) == ids(order)
-    assert ids(q.iter_blocks_after(order[2])) == ids(order[3:])
-    taken = q.popleft()
-    assert list(q.iter_blocks_after(taken)) == []
+def _offload_step(q: WorkloadAwareFreeQueue, cursor: KVCacheBlock | None, copied: set[int], target: int):
+    """One step of vLLM's lazy CPU offload (``simple_kv_offload``'s
+    ``_prepare_lazy_store_specs``): walk ``target`` free blocks from the cursor
+    in eviction order, copy those not copied yet, keep the last one visited."""
+    last = cursor
+    for covered, b in enumerate(q.iter_blocks_after(cursor)):
+        if covered >= target:
+            break
+        last = b
+        copied.add(b.block_id)
+    return last
+
+
+def test_the_lazy_offload_walk_copies_every_block_before_it_is_evicted():
+    """vLLM's lazy offload keeps a cursor between steps; in vLLM's queue a
+    block freed later lands after it.  Here a block freed into a colder class
+    after a walk goes first: the next walk must still copy it before it is
+    evicted (a walk from the cursor never visited it)."""
+    clock = SettableClock(100.0)
+    reg = ClassRegistry()
+    hot, cold = reg.claim("hot", 0.0), reg.claim("cold", 0.0)
+    params = WAParams(models={"hot": ReuseModel.exponential(0.9, 0.5), "cold": ReuseModel.exponential(0.01, 0.5)})
+    blocks = [KVCacheBlock(i) for i in range(8)]
+    for b in blocks:
+        b._block_hash = ("h", b.block_id)
+    q = WorkloadAwareFreeQueue([], params, clock=clock, registry=reg, num_block_ids=8)
+    for b in blocks[:4]:
+        q.block_class[b.block_id] = hot
+    q.append_n(blocks[:4])
+    assert ids(q.iter_blocks_after(None)) == ids(q.iter_eviction_order())
+    copied: set[int] = set()
+    cursor = _offload_step(q, None, copied, target=2)
+    assert copied == {0, 1}
+    clock.advance(1.0)
+    q.block_class[4] = cold
+    q.append_n([blocks[4]])
+    assert ids(q.iter_eviction_order())[0] == 4
+    _offload_step(q, cursor, copied, target=2)
+    evicted = q.popleft_n(2)
+    assert {b.block_id for b in evicted} <= copied
 
 
 def test_popleft_on_empty_raises():
@@ -701,3 +732,28 @@ def test_classes_that_score_alike_evict_in_stamp_order_whatever_the_last_bits_of
     lru = _evictions_with(uniform, seed)
     assert len(lru) > 1000
     assert _evictions_with(one_unused_class, seed) == lru
+
+
+def test_a_run_from_tied_heads_stops_where_its_blocks_score_above_them():
+    """Two class heads tie; stamp order settles the tie.  The run taken from the
+    chosen class must stop where its next block scores above the other head
+    (a falling score: the younger block scores higher), not go on to the other
+    head's stamp: eviction is still in (score, stamp) order."""
+    clock = SettableClock(0.0)
+    reg = ClassRegistry()
+    params = WAParams(models={"A": ReuseModel.exponential(1.0, 1.0), "B": ReuseModel.exponential(0.5, 1.0)}, mode="pr")
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    for b in blocks:
+        b._block_hash = ("h", b.block_id)
+    q = WorkloadAwareFreeQueue([], params, clock=clock, registry=reg, num_block_ids=4)
+    a, b_ = reg.claim("A", 0.0), reg.claim("B", 0.0)
+    # B's scores are A's shifted by log 0.5: B's head, freed ln 2 s after A's, ties A's head.
+    for blk, cls, t in ((blocks[0], a, 0.0), (blocks[1], a, 0.1), (blocks[2], b_, math.log(2)),
+                        (blocks[3], b_, math.log(2) + 0.05)):
+        clock.t = t
+        q.block_class[blk.block_id] = cls
+        q.append_n([blk])
+    clock.t = 5.0
+    expected = ids(q.iter_eviction_order())
+    assert expected == [0, 2, 3, 1]
+    assert ids(q.popleft_n(4)) == expected

@@ -654,27 +654,33 @@ class WorkloadAwareFreeQueue:
         active = self._active
         keys = self._head_keys(active, now)
         best = self._first(keys)
-        best_score = keys.pop(best)[0]
-        if not keys:
-            below = _INF
-        else:
-            second = min(keys.values())
-            tied = [s for score, s in keys.values() if abs(score - best_score) <= _SCORE_TIE]
-            if active.uniform:
-                below = second[1]
-            elif tied:
-                # Heads that tie with the best's: stamp order decides, as in LRU.
-                below = min(tied)
-            else:
-                idle = active.scorer(best).idle_below(second[0])
-                # Stamps clearly below the crossing beat the runner-up; the
-                # few near it are settled by an exact reselect.
-                below = now - (idle * (1.0 + 1e-9) + 1e-9) if idle < _INF else -_INF
         self._sel_class = best
-        self._sel_below = below
+        self._sel_below = self._run_below(active, keys, best, now)
         self._sel_time = now
         self._sel_active = active
         self._sel_dirty = False
+
+    @staticmethod
+    def _run_below(active: _ActiveParams, keys: dict[int, tuple[float, float]], best: int, now: float) -> float:
+        """How far a run from ``best``'s head goes: its blocks stamped below the
+        returned stamp are evicted before every other class's head (``keys``:
+        every head's exact (score, stamp), ``best``'s included)."""
+        if len(keys) == 1:
+            return _INF
+        best_score = keys[best][0]
+        others = [k for c, k in keys.items() if c != best]
+        second = min(others)
+        if active.uniform:
+            return second[1]
+        tied = [s for score, s in others if abs(score - best_score) <= _SCORE_TIE]
+        # Heads that tie with the best's: stamp order decides, as in LRU, for
+        # the run's blocks that still score with them (all of a flat model's;
+        # a younger block of a falling score is above).  Otherwise stamps
+        # clearly below the crossing beat the runner-up; the few near it are
+        # settled by an exact reselect.
+        idle = active.scorer(best).idle_below(best_score + _SCORE_TIE if tied else second[0])
+        cross = now - (idle * (1.0 + 1e-9) + 1e-9) if idle < _INF else -_INF
+        return min(min(tied), cross) if tied else cross
 
     def _emit_evicted(self, out: list[KVCacheBlock], start: int, now: float) -> None:
         sink = self.sink
@@ -687,7 +693,12 @@ class WorkloadAwareFreeQueue:
                 sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
-        """Free blocks in the order they would be evicted now (non-destructive)."""
+        """Free blocks in the order they would be evicted now (non-destructive).
+
+        Run by run, as :meth:`popleft_n` evicts: the heads are scored once a
+        run, not every block (vLLM's lazy CPU offload walks the next blocks
+        to go at every step).
+        """
         nohash = self._nohash
         head, tail = self._heads[nohash], self._tails[nohash]
         b = head.next_free_block
@@ -697,38 +708,48 @@ class WorkloadAwareFreeQueue:
         active = self._active
         now = self.clock()
         stamp_of = self.stamp
+        tails = self._tails
+        uniform = active.uniform
         cursors: dict[int, KVCacheBlock] = {}
         keys: dict[int, tuple[float, float]] = {}
         for c in self._live:
             b = self._heads[c].next_free_block
-            if b is not self._tails[c]:
+            if b is not tails[c]:
                 cursors[c] = b
                 s = stamp_of[b.block_id]
-                keys[c] = (0.0 if active.uniform else active.scorer(c).log_score(now - s), s)
+                keys[c] = (0.0 if uniform else active.scorer(c).log_score(now - s), s)
         while keys:
             c = self._first(keys)
-            b = cursors[c]
-            yield b
-            nxt = b.next_free_block
-            if nxt is self._tails[c]:
-                del keys[c]
-                continue
-            cursors[c] = nxt
-            s = stamp_of[nxt.block_id]
-            keys[c] = (0.0 if active.uniform else active.scorer(c).log_score(now - s), s)
+            below = self._run_below(active, keys, c, now)
+            b, end = cursors[c], tails[c]
+            yield b  # the head is the exact minimum
+            b = b.next_free_block
+            while b is not end and stamp_of[b.block_id] < below:
+                yield b
+                b = b.next_free_block
+            if b is end:
+                del cursors[c], keys[c]
+            else:
+                cursors[c] = b
+                s = stamp_of[b.block_id]
+                keys[c] = (0.0 if uniform else active.scorer(c).log_score(now - s), s)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in current eviction order. Mainly used for testing."""
         return list(self.iter_eviction_order())
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-        """Free blocks in eviction order after ``cursor`` (from the start if None).
+        """Free blocks in eviction order, from the first, whatever ``cursor``.
 
-        A cursor that is no longer free yields nothing, as in vLLM.
+        vLLM's lazy CPU offload (``simple_kv_offload``) walks the queue from a
+        cursor it keeps between steps, copying the blocks about to be evicted,
+        and skips those it has copied already.  In vLLM's queue a block freed
+        later always lands after the cursor.  Here it can sort anywhere (a
+        colder class, an older lookup stamp), so the blocks after the cursor
+        are not the next to go, and a walk from the cursor would miss the
+        ones that are: the walk starts at the first block.
         """
-        if cursor is not None and cursor.next_free_block is None:
-            return iter(())
-        return blocks_after(self.iter_eviction_order(), cursor)
+        return self.iter_eviction_order()
 
     # ---- workload-aware extras ------------------------------------------------------
 
