@@ -491,6 +491,32 @@ def test_lookup_stamp_ranks_a_release_by_when_its_request_started(clock, stamp, 
     assert run_prefill(m, make_request("again", prompts[kept])) == 3 * BS
 
 
+def test_a_deferred_release_takes_its_lookup_stamp_after_a_swap_turned_them_on(clock):
+    """vLLM can take a finished request's blocks now (``pop_blocks_for_free``:
+    the tagger files them) and free them later.  A swap in between that turns
+    lookup stamps on must still stamp them by their request's lookup, not by
+    a start never written (0, evicted first)."""
+    m = make_manager(12)
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
+    early = make_request("early", tokens(1000, 2))
+    clock.t = 10.0
+    run_prefill(m, early)
+    h.set_params(WAParams(stamp="free"))
+    later = make_request("later", tokens(5000, 2))
+    clock.t = 50.0
+    run_prefill(m, later)
+    clock.t = 60.0
+    later.status = RequestStatus.FINISHED_STOPPED
+    deferred = m.pop_blocks_for_free(later)
+    h.set_params(WAParams(stamp="lookup"))
+    finish(m, early)
+    m.block_pool.free_blocks(reversed(deferred))
+    h.queue.check_invariants()
+    stamps = {b.block_id: h.queue.stamp[b.block_id] for b in h.queue.iter_eviction_order() if b.block_hash is not None}
+    assert sorted(stamps.values()) == [10.0, 10.0, 50.0, 50.0]
+    assert [stamps[b] for b in list(stamps)[:2]] == [10.0, 10.0]  # the earlier start goes first
+
+
 def test_set_params_rejects_bad_values_and_keeps_old(clock):
     m = make_manager(8)
     h = install_wa_queue(m.block_pool, clock=clock)

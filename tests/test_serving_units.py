@@ -211,6 +211,29 @@ def test_a_late_outcome_reaches_the_request_released_last_under_its_id_and_ids_a
     assert engine_side.wa_get_metrics(core)["long_request_ids"] == 1
 
 
+def test_an_outcome_reported_before_the_release_reaches_every_child_of_its_call_only():
+    """A benchmark hint arrives before its call reaches the engine: every child
+    of that n > 1 call takes it (the first child alone did), a later call that
+    sends the same id does not."""
+    m, h, ewa, core = engine_with_outcome_key(40)
+
+    def serve(rid: str, first_token: int) -> None:
+        r = make_request(rid, list(range(first_token, first_token + 16 * 2 + 1)), tag="agent")
+        run_prefill(m, r)
+        finish(m, r)
+
+    assert engine_side.wa_report_outcomes(core, [["chatcmpl-9", "tool"]]) == 0  # kept, pending
+    serve("0_chatcmpl-9-aaaaaaaa", 0)  # one call, n = 3
+    serve("1_chatcmpl-9-aaaaaaaa", 1000)
+    serve("2_chatcmpl-9-aaaaaaaa", 2000)
+    assert h.queue.free_blocks_by_class() == {"agent.o:tool": 6}
+    assert h.tagger.reclassified_requests == 3
+    serve("chatcmpl-9-bbbbbbbb", 3000)  # another call under the same id, no hint of its own
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 2, "agent.o:tool": 6}
+    serve("chatcmpl-9-cccccccc", 4000)
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 4, "agent.o:tool": 6}
+
+
 def test_outcome_reports_reclassify_engine_blocks():
     m, h, ewa, core = engine_with_outcome_key()
     r = make_request("chatcmpl-42-0a1b2c3d", list(range(16 * 3 + 2)), tag="agent")

@@ -194,7 +194,10 @@ class BlockTagger:
         self.long_request_ids = 0
         self.hit_blocks_by_tag = [0] * self.tags.max_classes
         self.queried_blocks_by_tag = [0] * self.tags.max_classes
-        self._pending_outcome: OrderedDict[str, str] = OrderedDict()
+        # Outcomes reported before their request released its blocks, by key,
+        # with the API call that took it (None until a release does): every
+        # child of that ``n > 1`` call takes it, a later call under the same id does not.
+        self._pending_outcome: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._remember = max(0, int(remember_finished))
         # Remembered releases that keep reported blocks, oldest first, and how many they keep.
         self._reporting: deque[_FreedRequest] = deque()
@@ -426,7 +429,7 @@ class BlockTagger:
         if now is None:
             now = self.queue.clock()
         key = self.request_key(rid)
-        pending = self._pending_outcome.pop(key, None) if finished else None
+        pending = self._take_pending(key, rid) if finished else None
         if pending is not None and pending != req.outcome and req.outcome not in ENGINE_FINAL_OUTCOMES:
             # A reported fact (the reply called a tool) beats the engine's own
             # stop or length (such replies end with a plain stop).
@@ -504,15 +507,16 @@ class BlockTagger:
         sink = self.sink
         key = self.class_key
         now = queue.clock() if now is None else now
-        if queue.stamp_at_lookup:
-            # The latest start among the block's users: a prefix that a
-            # later request shared is as recent as that request's lookup,
-            # whichever of them releases it last.
-            at = now if started is None else started
-            lookup_time = queue.lookup_time
-            for b in blocks:
-                if lookup_time[b.block_id] < at:  # noqa: PLR1730 - no call per block
-                    lookup_time[b.block_id] = at
+        # The latest start among the block's users: a prefix that a later
+        # request shared is as recent as that request's lookup, whichever of
+        # them releases it last.  Written whatever the queue stamps by now: a
+        # deferred free (vLLM's ``pop_blocks_for_free``) appends the blocks
+        # later, after a swap may have turned lookup stamps on.
+        at = now if started is None else started
+        lookup_time = queue.lookup_time
+        for b in blocks:
+            if lookup_time[b.block_id] < at:  # noqa: PLR1730 - no call per block
+                lookup_time[b.block_id] = at
         self.retire_idle(now)
         over_cap = self._mark_classes(key, req, blocks, now)
         if over_cap and self._claim_after_key_change(now):
@@ -600,6 +604,27 @@ class BlockTagger:
 
     # ---- late facts --------------------------------------------------------------------
 
+    def _take_pending(self, key: str, request_id: str) -> str | None:
+        """The outcome reported under ``key`` before this release, if it is this call's.
+
+        The first release takes it for its API call (:attr:`request_group`);
+        the other children of an ``n > 1`` call find it there, and a release
+        of another call under the same id drops it.  The entries stay bounded
+        by the number of remembered releases (:meth:`reclassify`).
+        """
+        entry = self._pending_outcome.get(key)
+        if entry is None:
+            return None
+        outcome, call = entry
+        group = self.request_group(request_id)
+        if call is None:
+            self._pending_outcome[key] = (outcome, group)
+            return outcome
+        if call == group:
+            return outcome
+        del self._pending_outcome[key]
+        return None
+
     def reclassify(self, request_id: str, outcome: str, *, pending: bool = True) -> int:
         """Record a late fact about a request's reply and refile its free blocks.
 
@@ -618,7 +643,7 @@ class BlockTagger:
         if recs is None:
             if not pending:
                 return 0
-            self._pending_outcome[request_id] = outcome
+            self._pending_outcome[request_id] = (outcome, None)
             while len(self._pending_outcome) > self._remember:
                 self._pending_outcome.popitem(last=False)
             return 0
