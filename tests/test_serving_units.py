@@ -215,7 +215,7 @@ def test_an_outcome_reported_before_the_release_reaches_every_child_of_its_call_
     """A benchmark hint arrives before its call reaches the engine: every child
     of that n > 1 call takes it (the first child alone did), a later call that
     sends the same id does not."""
-    m, h, ewa, core = engine_with_outcome_key(40)
+    m, h, _, core = engine_with_outcome_key(40)
 
     def serve(rid: str, first_token: int) -> None:
         r = make_request(rid, list(range(first_token, first_token + 16 * 2 + 1)), tag="agent")
