@@ -257,6 +257,59 @@ def test_replay_of_what_the_server_saw(tmp_path):
         assert r.hit_tokens == 48 and r.prompt_tokens == 128 and r.overflow == 0
 
 
+def test_a_malformed_served_record_is_an_error_naming_it_or_skipped_and_counted(tmp_path):
+    """A bench-serve result passes the checks every trace format does: records
+    that are not objects, repeated hash ids (the prefix rule), non-string
+    outcomes, booleans as ids and absurd lengths name the record (or are
+    skipped and counted with --skip-bad); none is a traceback or a silent result."""
+    from vllm_wa.bench.results import RequestRecord
+    from vllm_wa.replay.loaders import TraceFormatError, load_trace
+
+    def result(**changes):
+        res = RunResult(label="x", url="u", trace="t", block_size=16, time_scale=1.0, max_output_tokens=4)
+        for i in range(3):
+            res.requests.append(RequestRecord(
+                index=i, request_id=f"r{i}", conversation=i, tag="chat", outcome_hint=None, hash_ids=[10 * i, 10 * i + 1],
+                input_tokens=32, max_tokens=4, planned=float(i), sent=float(i), done=i + 0.5,
+                prompt_tokens=32, completion_tokens=4, finish_reason="length"))
+        path = str(tmp_path / "served.json")
+        res.write(path)
+        with open(path) as f:
+            d = json.load(f)
+        for key, value in changes.items():
+            d["requests"][1][key] = value
+        if "record" in changes:
+            d["requests"][1] = changes["record"]
+        with open(path, "w") as f:
+            json.dump(d, f)
+        return path
+
+    assert len(load_trace(result()).requests) == 3
+    for changes, msg in [
+        ({"record": "oops"}, "record 1: not an object"),
+        ({"hash_ids": [10, 10]}, "prefix rule"),
+        ({"hash_ids": [True, 11]}, "booleans"),
+        ({"hash_ids": [-1, 11]}, "negative"),
+        ({"outcome_hint": ["tool"]}, "outcome_hint"),
+        ({"completion_tokens": 10**18}, "completion_tokens"),
+        ({"completion_tokens": -100}, "completion_tokens"),
+        ({"prompt_tokens": "32"}, "prompt_tokens"),
+        ({"conversation": 1.7}, "conversation"),
+    ]:
+        path = result(**changes)
+        with pytest.raises(TraceFormatError, match=msg):
+            load_trace(path)
+        trace = load_trace(path, skip_bad=True)
+        assert len(trace.requests) == 2 and trace.skipped_lines == 1, changes
+    with open(path) as f:
+        d = json.load(f)
+    d["requests"] = "abc"
+    with open(path, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(TraceFormatError, match="must be a list"):
+        load_trace(path)
+
+
 def test_interrupted_run_writes_what_was_measured(tmp_path):
     trace_path = tmp_path / "t.jsonl"
     with open(trace_path, "w") as f:

@@ -18,12 +18,12 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.params import WAParams
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
-from vllm_wa.replay.parallel import map_jobs
+from vllm_wa.replay.parallel import map_jobs, worker_count
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
-from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, sweep, swap_tags
-from vllm_wa.sim.block_pool import SimBlockPool
+from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, swap_tags, sweep
 from vllm_wa.replay.trace import Trace, TraceRequest, renumber_ids
+from vllm_wa.sim.block_pool import SimBlockPool
 
 AGENTIC = sample_path("agentic-coding-sample.tar.xz")
 MOONCAKE = sample_path("mooncake-conversation-sample.jsonl.xz")
@@ -129,6 +129,39 @@ def test_one_bad_record_does_not_condemn_the_good_ones_after_it(tmp_path):
         load_trace(str(p))
     tr = load_trace(str(p), skip_bad=True)
     assert tr.skipped_lines == 1 and [r.request_id for r in tr.requests] == ["2", "3", "4", "5", "6"]
+
+
+def test_booleans_absurd_lengths_and_a_loose_synthetic_flag_are_bad_records(tmp_path):
+    """``array('q')`` takes True as 1, ``int(1e300)`` is an integer, and
+    ``bool("false")`` is True: each such record is an error naming its line."""
+    good = [mooncake_line(1000.0 * i, (1, 10 + i)) for i in range(1, 4)]
+    for bad, msg in [
+        (mooncake_line(0.0, (True, 10)), "booleans"),
+        (mooncake_line(0.0, (1, 10), output_length=1e300), "output_length"),
+        (mooncake_line(0.0, (1, 10), output_length=10**18), "output_length"),
+        (mooncake_line(0.0, (1, 10), n_in=2**40), "input_length"),
+    ]:
+        p = tmp_path / "m.jsonl"
+        p.write_text("\n".join([*good, bad]) + "\n")
+        with pytest.raises(TraceFormatError, match=rf"m.jsonl:4: .*{msg}"):
+            load_trace(str(p), "mooncake")
+        assert load_trace(str(p), "mooncake", skip_bad=True).skipped_lines == 1
+    p = tmp_path / "b.jsonl"
+    p.write_text(bailian_line(chat=1, synthetic="false") + "\n")
+    with pytest.raises(TraceFormatError, match="b.jsonl:1: field 'synthetic' must be true or false"):
+        load_trace(str(p))
+    p.write_text(bailian_line(chat=1, synthetic=False) + "\n")
+    assert not load_trace(str(p)).synthetic
+
+
+def test_a_cut_that_keeps_no_request_is_an_error(tmp_path):
+    """A cut below the float resolution of the first timestamp (an epoch in
+    seconds) kept nothing and replayed 0 % with exit 0."""
+    p = tmp_path / "b.jsonl"
+    p.write_text("\n".join(bailian_line(chat=i, ts=1.7e9 + i, hashes=(0, 100 + i), n_in=20) for i in range(5)) + "\n")
+    assert len(load_trace(str(p), cut=2.5).requests) == 3
+    with pytest.raises(TraceFormatError, match="no request arrives within 1e-07 s"):
+        load_trace(str(p), cut=1e-7)
 
 
 def test_a_bailian_trace_is_never_read_as_mooncake(tmp_path):
@@ -871,6 +904,14 @@ def test_map_jobs_keeps_order_or_yields_as_finished_and_runs_in_process_with_one
     ordered = list(map_jobs(_square_and_pid, items, 2))
     assert [v for v, _ in ordered] == [x * x for x in items] and os.getpid() not in {p for _, p in ordered}
     assert sorted(v for v, _ in map_jobs(_square_and_pid, items, 2, ordered=False)) == [x * x for x in items]
+
+
+def test_workers_are_at_most_one_per_core(monkeypatch):
+    """``--jobs 99999`` forked that many workers (hundreds of MB each) for one run."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert [worker_count(j) for j in (0, 1, 2, 3, 99_999)] == [3, 1, 2, 3, 3]
+    with pytest.raises(ValueError, match="jobs"):
+        worker_count(-1)
 
 
 def test_the_table_shows_each_candidates_real_cache_check():

@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-seconds", type=float, help="add windowed hit rates to the JSON and plot")
     p.add_argument("--tag-swap", help="A,B: from the evaluation window on, swap tags A and B")
     p.add_argument("--controller-config", help="TOML config of the wa-online controller")
-    p.add_argument("--jobs", type=int, default=0, help="parallel runs (default: cores)")
+    p.add_argument("--jobs", type=int, default=0, help="parallel runs (default and at most: one per core)")
     p.add_argument(
         "--peer-settings",
         help="PEER=VALUE,...: fix peers' knobs instead of tuning them on the profile half "

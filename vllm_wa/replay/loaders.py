@@ -15,7 +15,6 @@ import math
 import os
 import random
 import tarfile
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
@@ -23,6 +22,7 @@ from typing import IO, Any
 import numpy as np
 
 from vllm_wa.fileio import opener_for
+from vllm_wa.replay.records import NAMESPACE, float_field, hash_ids, int_field, token_field
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.validation import check_number, short_repr
@@ -53,8 +53,6 @@ class AgenticOptions:
     seed: int = 0
 
 
-# Agentic conversations' hash ids live in namespaces of 2**40 ids each.
-_NAMESPACE = 1 << 40
 # Archives of agentic conversations (tarfile reads each compression).
 _ARCHIVES = (".tar", ".tar.xz", ".txz", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2")
 # What a damaged compressed or non-UTF-8 file raises while it is read.
@@ -120,9 +118,13 @@ def load_trace(
         trace = load_mooncake(path, skip_bad=skip_bad)
     elif fmt == "served":
         try:
-            trace = load_served(path)
-        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
-            raise TraceFormatError(path, f"not a readable bench-serve result: {e!r}") from None
+            trace = load_served(path, skip_bad=skip_bad)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise TraceFormatError(path, f"not a readable bench-serve result: {e}") from None
+        kept, dropped = _drop_broken_chains(trace.requests, path, skip_bad)
+        if dropped:
+            trace = trace.with_requests(kept)
+            trace.skipped_lines += dropped
     else:
         raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
     return cut_trace(trace, cut) if cut is not None else trace
@@ -132,6 +134,8 @@ def cut_trace(trace: Trace, cut: float) -> Trace:
     """The requests arriving less than ``cut`` s after the trace's first one."""
     limit = trace.start + cut
     kept = [r for r in trace.requests if r.arrival < limit]
+    if not kept:  # a cut below the float resolution of the trace's start time
+        raise TraceFormatError(trace.name, f"no request arrives within {cut:g} s of the first one")
     out = trace.with_requests(kept)
     out.notes.append(f"cut at {cut:g} s after the first request ({len(kept)} of {len(trace.requests)} requests)")
     return out
@@ -150,36 +154,6 @@ def _json_lines(path: str) -> Iterator[tuple[int, bytes]]:
                     yield lineno, line
     except _READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
-
-
-def _int_field(rec: dict, key: str, *, lo: int = 0) -> int:
-    return int(check_number(f"field {key!r}", rec.get(key), ge=lo, integer=True))
-
-
-def _float_field(rec: dict, key: str) -> float:
-    return check_number(f"field {key!r}", rec.get(key), ge=0)
-
-
-def _hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0, blocks_for: tuple[int, int] | None = None) -> array:
-    """The record's block ids; ``blocks_for`` = (input tokens, block size): there must be one id per block."""
-    v = rec.get(key)
-    if not isinstance(v, list) or not v:
-        raise ValueError(f"field {key!r} must be a non-empty list of integers")
-    try:
-        out = array("q", v)
-    except (TypeError, OverflowError) as e:
-        raise ValueError(f"field {key!r} must hold integers: {e}") from None
-    if min(out) < 0:
-        raise ValueError(f"field {key!r} holds a negative id")
-    if blocks_for is not None:
-        n_in, block = blocks_for
-        if len(out) != math.ceil(n_in / block):
-            raise ValueError(f"len({key})={len(out)} but ceil(input_length/{block})={math.ceil(n_in / block)}")
-    if offset:
-        if max(out) >= _NAMESPACE:
-            raise ValueError(f"field {key!r} holds an id of 2**40 or more (ids are namespaced per conversation above it)")
-        out = array("q", [offset | h for h in out])
-    return out
 
 
 def broken_chains(reqs: list[TraceRequest]) -> np.ndarray:
@@ -222,6 +196,14 @@ def _finish(
     if not reqs:
         raise TraceFormatError(path, "no usable requests")
     reqs.sort(key=lambda r: r.arrival)
+    reqs, dropped = _drop_broken_chains(reqs, path, skip_bad)
+    return Trace(name, block_size, reqs, fmt, skipped_lines=skipped + dropped)
+
+
+def _drop_broken_chains(reqs: list[TraceRequest], path: str, skip_bad: bool) -> tuple[list[TraceRequest], int]:
+    """``reqs`` less those that break the prefix rule (:func:`broken_chains`),
+    and how many: an error naming the first one unless ``skip_bad``."""
+    dropped = 0
     while len(bad := broken_chains(reqs)):
         if not skip_bad:
             r = reqs[int(bad[0])]
@@ -232,10 +214,10 @@ def _finish(
             )
         drop = set(bad.tolist())
         reqs = [r for i, r in enumerate(reqs) if i not in drop]
-        skipped += len(drop)
+        dropped += len(drop)
         if not reqs:
             raise TraceFormatError(path, "no usable requests")
-    return Trace(name, block_size, reqs, fmt, skipped_lines=skipped)
+    return reqs, dropped
 
 
 def _conversation_roots(parent_of: dict[int, int]) -> dict[int, int]:
@@ -278,25 +260,28 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
             rec = json.loads(line)
             if not isinstance(rec, dict):
                 raise ValueError("record is not an object")
-            chat = _int_field(rec, "chat_id", lo=-(1 << 62))
-            parent = _int_field(rec, "parent_chat_id", lo=-1)
-            ts = _float_field(rec, "timestamp")
-            n_in = _int_field(rec, "input_length", lo=1)
-            n_out = _int_field(rec, "output_length")
+            chat = int_field(rec, "chat_id", lo=-(1 << 62))
+            parent = int_field(rec, "parent_chat_id", lo=-1)
+            ts = float_field(rec, "timestamp")
+            n_in = token_field(rec, "input_length", lo=1)
+            n_out = token_field(rec, "output_length")
             typ = rec.get("type")
             if not isinstance(typ, str) or not typ:
                 raise ValueError(f"field 'type' must be a non-empty string, got {typ!r}")
-            turn = _int_field(rec, "turn", lo=0)
-            hashes = _hash_ids(rec, blocks_for=(n_in, BAILIAN_BLOCK))
+            turn = int_field(rec, "turn", lo=0)
+            hashes = hash_ids(rec, blocks_for=(n_in, BAILIAN_BLOCK))
             if chat in seen:
                 raise ValueError(f"chat_id {chat} appears twice (it names one request)")
+            flag = rec.get("synthetic", False)
+            if not isinstance(flag, bool):
+                raise ValueError(f"field 'synthetic' must be true or false, got {short_repr(flag)}")  # noqa: TRY004 - a bad record is a ValueError
         except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
                 continue
             raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
         seen.add(chat)
-        synthetic = synthetic or bool(rec.get("synthetic"))
+        synthetic = synthetic or flag
         parent_of[chat] = parent
         reqs.append(
             TraceRequest(
@@ -328,10 +313,10 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
                 raise ValueError("record is not an object")
             if "chat_id" in rec or "parent_chat_id" in rec:
                 raise ValueError("a Bailian record (chat_id, parent_chat_id): pass --format bailian")
-            ts = _float_field(rec, "timestamp") / 1000.0
-            n_in = _int_field(rec, "input_length", lo=1)
-            n_out = _int_field(rec, "output_length")
-            hashes = _hash_ids(rec, blocks_for=(n_in, MOONCAKE_BLOCK))
+            ts = float_field(rec, "timestamp") / 1000.0
+            n_in = token_field(rec, "input_length", lo=1)
+            n_out = token_field(rec, "output_length")
+            hashes = hash_ids(rec, blocks_for=(n_in, MOONCAKE_BLOCK))
         except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
@@ -420,15 +405,15 @@ def _agentic_requests(
             # replayer runs it, one user per sub-agent), in its parent's hash
             # namespace, whose requests' ``t`` count from the sub-agent's start,
             # the ``t`` of this entry in the parent.
-            start = offset + _float_field(r, "t")
+            start = offset + float_field(r, "t")
             sub = r.get("requests")
             _agentic_requests(sub, f"{where}/sub{i}", next(sub_ids), start, namespace, opts, out, sub_ids)
             continue
-        t = _float_field(r, "t")
+        t = float_field(r, "t")
         arrival = offset + t
         if arrival >= opts.cut:
             continue
-        hashes = _hash_ids(r, offset=namespace)
+        hashes = hash_ids(r, offset=namespace)
         api = r.get("api_time")
         stop = r.get("stop")
         if stop is not None and not isinstance(stop, str):
@@ -438,12 +423,12 @@ def _agentic_requests(
                 request_id=f"{where}#{i}",
                 arrival=arrival,
                 hash_ids=hashes,
-                input_tokens=_int_field(r, "in", lo=1),
-                output_tokens=_int_field(r, "out"),
+                input_tokens=token_field(r, "in", lo=1),
+                output_tokens=token_field(r, "out"),
                 tag=_agentic_tag(r),
                 conversation=conv,
                 outcome=_OUTCOMES.get(stop, "stop" if stop else None),
-                service_time=float(api) if isinstance(api, (int, float)) and math.isfinite(api) and api >= 0 else None,
+                service_time=float(api) if isinstance(api, (int, float)) and not isinstance(api, bool) and math.isfinite(api) and api >= 0 else None,
             )
         )
 
@@ -478,14 +463,14 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
             doc = json.loads(raw)
             if not isinstance(doc, dict) or "requests" not in doc:
                 raise ValueError("not a conversation object with 'requests'")
-            bs = _int_field(doc, "block_size", lo=1) if "block_size" in doc else 64
+            bs = int_field(doc, "block_size", lo=1) if "block_size" in doc else 64
             if block_size is None:
                 block_size = bs
             elif bs != block_size:
                 raise ValueError(f"block_size {bs} differs from earlier conversations' {block_size}")
             part: list[TraceRequest] = []
             _agentic_requests(
-                doc["requests"], os.path.basename(where), conv, offset, (conv + 1) * _NAMESPACE, opts, part, sub_ids
+                doc["requests"], os.path.basename(where), conv, offset, (conv + 1) * NAMESPACE, opts, part, sub_ids
             )
         except (ValueError, RecursionError) as e:
             if skip_bad:

@@ -7,6 +7,7 @@ pickled to every worker; with one job everything runs in this process.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -14,9 +15,20 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def worker_count(jobs: int) -> int:
+    """The processes to fork for ``jobs`` (0: one per core): at most one per
+    core.  Replays are CPU-bound, so more only add memory (each worker holds
+    a replay's state, hundreds of MB on the development traces)."""
+    cores = os.cpu_count() or 1
+    if jobs < 0:
+        raise ValueError(f"jobs must be 0 (one per core) or more, got {jobs}")
+    return cores if jobs == 0 else min(jobs, cores)
+
+
 def map_jobs(fn: Callable[[T], R], items: Iterable[T], jobs: int, *, ordered: bool = True) -> Iterator[R]:
     """``fn`` of each item, on ``jobs`` processes: in the items' order, or
     (``ordered`` False) as each finishes, so progress can be printed."""
+    jobs = worker_count(jobs)
     if jobs <= 1:
         yield from map(fn, items)
         return

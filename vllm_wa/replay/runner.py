@@ -12,7 +12,6 @@ import heapq
 import itertools
 import math
 import multiprocessing as mp
-import os
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from vllm_wa.replay.belady import next_use_table
 from vllm_wa.replay.engines import make_engine
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.online_policy import OnlineWAPolicy
+from vllm_wa.replay.parallel import worker_count
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import POLICIES, OptPolicy, PeerPolicy, ReplayPolicy, StaticWAPolicy
 from vllm_wa.replay.profile import profile_trace
@@ -355,10 +355,9 @@ def run_tasks(
     """
     global _RUN
     ready = list(tasks)
-    if not jobs:
-        jobs = os.cpu_count() or 1
-        if follow is None:
-            jobs = min(jobs, len(ready))
+    jobs = worker_count(jobs)
+    if follow is None:
+        jobs = min(jobs, len(ready))
     results: list[RunResult] = []
     live = board is not None and board.enabled
     ids = itertools.count()

@@ -26,21 +26,22 @@ from __future__ import annotations
 
 import json
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_wa.bench.results import FORMAT, VERSION
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
+from vllm_wa.replay.records import MAX_TOKENS, hash_ids, int_field, str_field, token_field
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.replay.vllm_engine import VLLMEngine
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.token_ids import FIRST_TOKEN, prompt_token_ids
+from vllm_wa.validation import check_number, short_repr
 
-FORMAT = "vllm-wa-bench-serve"  # what vllm_wa.bench.results writes
 FMT = "served"
 
 
@@ -77,49 +78,69 @@ def served_request(rec: dict[str, Any], block_size: int) -> TraceRequest | None:
         free = lookup + (ttft + (gen or 0.0)) / 1000.0
     else:
         lookup, free = sent, done
-    hash_ids = rec.get("hash_ids")
-    n_in = int(rec.get("prompt_tokens") or rec.get("input_tokens") or 0)
-    if not isinstance(hash_ids, list) or not hash_ids or n_in < 1:
-        raise ValueError(f"record {rec.get('index')}: no prompt (hash_ids / input_tokens)")
-    if math.ceil(n_in / block_size) != len(hash_ids):
-        raise ValueError(f"record {rec.get('index')}: {n_in} prompt tokens do not match {len(hash_ids)} blocks")
-    n_out = int(rec.get("completion_tokens") or 0)
+    # The server's count of the prompt's tokens, else the client's.
+    n_in = token_field(rec, "prompt_tokens" if rec.get("prompt_tokens") is not None else "input_tokens", lo=1)
+    hashes = hash_ids(rec, blocks_for=(n_in, block_size))
+    n_out = token_field(rec, "completion_tokens") if rec.get("completion_tokens") is not None else 0
+    conversation = int_field(rec, "conversation", lo=-1) if rec.get("conversation") is not None else -1
     return TraceRequest(
         request_id=str(rec.get("request_id", rec.get("index"))),
         arrival=lookup,
-        hash_ids=array("q", hash_ids),
+        hash_ids=hashes,
         input_tokens=n_in,
         output_tokens=n_out,
-        tag=str(rec.get("tag") or "default"),
-        conversation=int(rec.get("conversation", -1)),
+        tag=str_field(rec, "tag") or "default",
+        conversation=conversation,
         # What the server's engine ended up with: the hint, else the finish reason.
-        outcome=rec.get("outcome_hint") or rec.get("finish_reason") or "length",
+        outcome=str_field(rec, "outcome_hint") or str_field(rec, "finish_reason") or "length",
         service_time=max(0.0, free - lookup),
     )
 
 
-def load_served(path: str) -> Trace:
-    """The requests a bench-serve run completed, timed as the server ran them."""
+def load_served(path: str, *, skip_bad: bool = False) -> Trace:
+    """The requests a bench-serve run completed, timed as the server ran them.
+
+    A record that is not a completed request's (an error) is left out and
+    counted in the notes; a malformed one is an error naming it, or, with
+    ``skip_bad``, skipped and counted in ``Trace.skipped_lines``.
+    """
     with open(path, encoding="utf-8") as f:
         d = json.load(f)
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path}: not a bench-serve result")
-    bs = int(d["block_size"])
-    if bs < 1:
-        raise ValueError(f"{path}: block_size must be a positive integer, got {bs}")
+    if d.get("version") != VERSION:
+        raise ValueError(f"unsupported {FORMAT} version {short_repr(d.get('version'))}; expected {VERSION}")
+    bs = int(check_number("block_size", d.get("block_size"), ge=1, le=MAX_TOKENS, integer=True))
+    records = d.get("requests", [])
+    if not isinstance(records, list):
+        raise ValueError("'requests' must be a list of records")  # noqa: TRY004 - a bad record is a ValueError in every loader
     reqs = []
-    failed = 0
-    for rec in d.get("requests", []):
-        r = served_request(rec, bs)
+    ids: set[str] = set()
+    failed = skipped = 0
+    for i, rec in enumerate(records):
+        try:
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")  # noqa: TRY004 - as above
+            r = served_request(rec, bs)
+        except ValueError as e:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise ValueError(f"record {i}: {e}") from None
         if r is None:
             failed += 1
+        elif r.request_id in ids:
+            if not skip_bad:
+                raise ValueError(f"record {i}: request id {short_repr(r.request_id)} appears twice")
+            skipped += 1
         else:
+            ids.add(r.request_id)
             reqs.append(r)
     if not reqs:
         raise ValueError(f"{path}: no completed request to replay")
     reqs.sort(key=lambda r: r.arrival)
-    server = d.get("server") or {}
-    trace = Trace(f"{d.get('label', 'served')}:{d.get('trace', '')}", bs, reqs, FMT)
+    server = d.get("server") if isinstance(d.get("server"), dict) else {}
+    trace = Trace(f"{d.get('label', 'served')}:{d.get('trace', '')}", bs, reqs, FMT, skipped_lines=skipped)
     # The client sent the source trace's conversations (none: all -1, as Mooncake's).
     trace.conversations = any(r.conversation >= 0 for r in reqs)
     trace.notes.append(

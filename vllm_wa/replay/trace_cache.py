@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm_wa import fileio, validation
 from vllm_wa.fileio import atomic_write
-from vllm_wa.replay import lifetime, loaders, served
+from vllm_wa.replay import lifetime, loaders, records, served
 from vllm_wa.replay import trace as trace_module
 from vllm_wa.replay.loaders import AgenticOptions, load_trace
 from vllm_wa.replay.trace import Trace
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 3
 # Parsed traces kept, most recently used first (the agentic split's is 340 MB).
 MAX_ENTRIES = 8
-_PARSERS = (loaders, trace_module, served, lifetime, token_ids, validation, fileio)
+_PARSERS = (loaders, records, trace_module, served, lifetime, token_ids, validation, fileio)
 
 
 @functools.cache
@@ -34,6 +34,17 @@ def _parser_digest() -> str:
         with open(module.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is this user's and only this user can write it.
+
+    Unpickling runs code: an entry (or a folder) that another user owns or
+    may write is not read, whatever ``VLLM_WA_CACHE`` points at; the trace
+    is parsed again (and the entry rewritten, where this user can).
+    """
+    st = os.stat(path)
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def cache_dir() -> str:
@@ -70,12 +81,13 @@ def load_trace_cached(
         return load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
     file = os.path.join(cache_dir(), _key(path, fmt, skip_bad, agentic, cut) + ".pkl")
     try:
-        with open(file, "rb") as f:
-            trace = pickle.load(f)
-        if isinstance(trace, Trace):
-            with contextlib.suppress(OSError):  # a cache another user owns is still read
-                os.utime(file)  # recently used: pruned last
-            return trace
+        if _ours(file) and _ours(cache_dir()):
+            with open(file, "rb") as f:
+                trace = pickle.load(f)
+            if isinstance(trace, Trace):
+                with contextlib.suppress(OSError):  # a read-only cache is still read
+                    os.utime(file)  # recently used: pruned last
+                return trace
     except Exception:  # noqa: BLE001 - any unreadable entry (another Python's pickle, a torn file) is parsed again
         pass
     trace = load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
