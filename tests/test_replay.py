@@ -256,6 +256,50 @@ def test_detection_reads_the_first_record_alone_past_a_bom_and_knows_every_tar_c
         assert detect_format(str(archive)) == "agentic" and len(load_trace(str(archive)).requests) == 1
 
 
+def test_reads_are_bounded_a_long_line_a_large_member_and_no_device_files(tmp_path, monkeypatch):
+    """One 150-MB line of a gzipped trace took 550 MB, an archive's large
+    members were all held at once, and a FIFO named ``trace_*.json`` read
+    forever: a line past MAX_RECORD_BYTES is one bad record, a conversation
+    file past MAX_CONVERSATION_BYTES an error, and only regular files are read."""
+    from vllm_wa.replay import loaders
+
+    monkeypatch.setattr(loaders, "MAX_RECORD_BYTES", 1000)
+    good = [mooncake_line(1000.0 * i, (1, 2 + i)) for i in range(4)]
+    long = mooncake_line(9000.0, (1, 99), note="x" * 5000)
+    p = tmp_path / "m.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write("\n".join([*good[:2], long, *good[2:]]) + "\n")
+    with pytest.raises(TraceFormatError, match=r"m.jsonl.gz:3: the line is longer than"):
+        load_trace(str(p))
+    tr = load_trace(str(p), skip_bad=True)
+    assert tr.skipped_lines == 1 and len(tr.requests) == 4
+    bad_first = tmp_path / "b.jsonl"
+    bad_first.write_text('{"timestamp": 0, "inp\n' + "\n".join(good) + "\n")
+    with pytest.raises(TraceFormatError, match="line 1 is not a JSON record"):
+        load_trace(str(bad_first))
+    assert len(load_trace(str(bad_first), "mooncake", skip_bad=True).requests) == 4
+
+    d = tmp_path / "convs"
+    d.mkdir()
+    conv = {"block_size": 64, "requests": [{"t": 0.0, "type": "n", "in": 64, "out": 5, "hash_ids": [1],
+                                            "input_types": ["text"]}]}
+    (d / "trace_0001.json").write_text(json.dumps(conv))
+    os.mkfifo(d / "trace_0002.json")
+    assert len(load_trace(str(d), "agentic").requests) == 1
+    monkeypatch.setattr(loaders, "MAX_CONVERSATION_BYTES", 100)
+    archive = tmp_path / "convs.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(d / "trace_0001.json", arcname="convs/trace_0001.json")
+    with pytest.raises(TraceFormatError, match="trace_0001.json: a conversation file of"):
+        load_trace(str(archive))
+    monkeypatch.setattr(loaders, "MAX_CONVERSATION_BYTES", 1 << 20)
+    twice = tmp_path / "twice.tar"  # one name stored twice: the later copy, once
+    with tarfile.open(twice, "w") as tar:
+        tar.add(d / "trace_0001.json", arcname="convs/trace_0001.json")
+        tar.add(d / "trace_0001.json", arcname="convs/trace_0001.json")
+    assert len(load_trace(str(twice)).requests) == 1
+
+
 def test_unreadable_files_and_options_get_clear_errors(tmp_path):
     trunc = tmp_path / "t.jsonl.gz"
     with gzip.open(trunc, "wt") as f:

@@ -55,6 +55,12 @@ class AgenticOptions:
 
 # Archives of agentic conversations (tarfile reads each compression).
 _ARCHIVES = (".tar", ".tar.xz", ".txz", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2")
+# The longest JSON-lines record read (a Bailian or Mooncake record is a few
+# kB; a 128k-token prompt's ids at 16 tokens a block, about 60 kB).
+MAX_RECORD_BYTES = 16 << 20
+# The largest agentic conversation file read (the development split's largest is
+# a few MB); an archive's members are all read before any is parsed.
+MAX_CONVERSATION_BYTES = 256 << 20
 # What a damaged compressed or non-UTF-8 file raises while it is read.
 _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError)
 
@@ -72,7 +78,7 @@ def detect_format(path: str) -> str:
     try:
         with _open_binary(path) as f:
             # The first line alone, as bytes: a bad byte further on is that record's problem.
-            first = f.readline().decode("utf-8-sig", errors="replace").strip()
+            first = f.readline(MAX_RECORD_BYTES).decode("utf-8-sig", errors="replace").strip()
             if path.endswith(".json") and not first.endswith("}"):
                 return "agentic"
     except _READ_ERRORS as e:
@@ -81,8 +87,10 @@ def detect_format(path: str) -> str:
         raise TraceFormatError(path, "the file starts with no record (empty, or a blank first line); pass --format")
     try:
         rec = json.loads(first)
-    except (json.JSONDecodeError, RecursionError):
-        return "agentic" if path.endswith(".json") else "unknown"
+    except (json.JSONDecodeError, RecursionError) as e:
+        if path.endswith(".json"):
+            return "agentic"
+        raise TraceFormatError(path, f"line 1 is not a JSON record ({e}); pass --format (with --skip-bad to read past it)") from None
     if isinstance(rec, dict):
         if "requests" in rec:
             return "agentic"
@@ -119,7 +127,7 @@ def load_trace(
     elif fmt == "served":
         try:
             trace = load_served(path, skip_bad=skip_bad)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        except (*_READ_ERRORS, ValueError, RecursionError) as e:
             raise TraceFormatError(path, f"not a readable bench-serve result: {e}") from None
         kept, dropped = _drop_broken_chains(trace.requests, path, skip_bad)
         if dropped:
@@ -144,16 +152,34 @@ def cut_trace(trace: Trace, cut: float) -> Trace:
 # ---- JSON lines ----------------------------------------------------------------------------
 
 
-def _json_lines(path: str) -> Iterator[tuple[int, bytes]]:
+def _json_lines(path: str) -> Iterator[tuple[int, bytes | None]]:
     """Non-blank lines as bytes: ``json.loads`` decodes each one, so a line
-    that is not UTF-8 is one bad record (skipped with ``--skip-bad``)."""
+    that is not UTF-8 is one bad record (skipped with ``--skip-bad``).  A line
+    longer than :data:`MAX_RECORD_BYTES` comes as None, read past in chunks:
+    one line of a compressed file could otherwise take gigabytes."""
     try:
         with _open_binary(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
+            lineno = 0
+            while line := f.readline(MAX_RECORD_BYTES + 1):
+                lineno += 1
+                if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
+                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        pass
+                    yield lineno, None
+                elif line.strip():
                     yield lineno, line
     except _READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
+
+
+def _json_record(line: bytes | None) -> dict:
+    """One JSON-lines record (an object), or ValueError saying why not."""
+    if line is None:
+        raise ValueError(f"the line is longer than {MAX_RECORD_BYTES >> 20} MiB")
+    rec = json.loads(line)
+    if not isinstance(rec, dict):
+        raise ValueError("record is not an object")  # noqa: TRY004 - a bad record is a ValueError
+    return rec
 
 
 def broken_chains(reqs: list[TraceRequest]) -> np.ndarray:
@@ -257,9 +283,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     synthetic = False
     for lineno, line in _json_lines(path):
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("record is not an object")
+            rec = _json_record(line)
             chat = int_field(rec, "chat_id", lo=-(1 << 62))
             parent = int_field(rec, "parent_chat_id", lo=-1)
             ts = float_field(rec, "timestamp")
@@ -308,9 +332,7 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
     skipped = 0
     for lineno, line in _json_lines(path):
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("record is not an object")
+            rec = _json_record(line)
             if "chat_id" in rec or "parent_chat_id" in rec:
                 raise ValueError("a Bailian record (chat_id, parent_chat_id): pass --format bailian")
             ts = float_field(rec, "timestamp") / 1000.0
@@ -347,9 +369,11 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
     """(name, raw JSON) of every ``trace_*.json`` in a directory, archive or file."""
     if os.path.isdir(path):
         for name in sorted(os.listdir(path)):
-            if _is_conversation(name):
-                with open(os.path.join(path, name), "rb") as f:
-                    yield os.path.join(path, name), f.read()
+            full = os.path.join(path, name)
+            # Regular files only: a device or a FIFO under a trace's name reads forever.
+            if _is_conversation(name) and os.path.isfile(full):
+                with open(full, "rb") as f:
+                    yield full, _read_conversation(full, f, os.fstat(f.fileno()).st_size)
         return
     if tarfile.is_tarfile(path):
         try:
@@ -363,15 +387,23 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
                     if m.isfile() and _is_conversation(m.name):
                         f = tar.extractfile(m)
                         if f is not None:
-                            found.append((m.name, f.read()))
+                            found.append((m.name, _read_conversation(f"{path}:{m.name}", f, m.size)))
         except (tarfile.TarError, OSError, EOFError, lzma.LZMAError) as e:
             raise TraceFormatError(path, f"cannot read archive: {e}") from e
-        found.sort(key=lambda x: x[0])
-        for name, raw in found:
+        # A name stored twice (an appended archive) is the later copy, as tar extracts it.
+        for name, raw in sorted(dict(found).items()):
             yield f"{path}:{name}", raw
         return
     with open(path, "rb") as f:
-        yield path, f.read()
+        yield path, _read_conversation(path, f, os.fstat(f.fileno()).st_size)
+
+
+def _read_conversation(where: str, f: IO[bytes], size: int) -> bytes:
+    """A conversation file's bytes, refused past :data:`MAX_CONVERSATION_BYTES`
+    (the archive's members are read before any is parsed)."""
+    if size > MAX_CONVERSATION_BYTES:
+        raise TraceFormatError(where, f"a conversation file of {size >> 20} MiB (at most {MAX_CONVERSATION_BYTES >> 20})")
+    return f.read(MAX_CONVERSATION_BYTES + 1)
 
 
 def _agentic_tag(req: dict) -> str:

@@ -25,6 +25,7 @@ spreading a long prompt's allocation over several steps, and preemption.
 from __future__ import annotations
 
 import json
+import lzma
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,6 +34,7 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_wa.bench.results import FORMAT, VERSION
+from vllm_wa.fileio import opener_for
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.records import MAX_TOKENS, hash_ids, int_field, str_field, token_field
@@ -46,11 +48,13 @@ FMT = "served"
 
 
 def is_served_result(path: str) -> bool:
-    """Whether ``path`` is a bench-serve result (a JSON object with its format tag)."""
+    """Whether ``path`` is a bench-serve result (a JSON object with its format
+    tag near the start: first as written, among the first keys once sorted),
+    compressed or not."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
+        with opener_for(path)(path, "rb") as f:
+            head = f.read(4096)
+    except (OSError, EOFError, lzma.LZMAError):
         return False
     return head.lstrip().startswith(b"{") and FORMAT.encode() in head
 
@@ -104,7 +108,7 @@ def load_served(path: str, *, skip_bad: bool = False) -> Trace:
     counted in the notes; a malformed one is an error naming it, or, with
     ``skip_bad``, skipped and counted in ``Trace.skipped_lines``.
     """
-    with open(path, encoding="utf-8") as f:
+    with opener_for(path)(path, "rt", encoding="utf-8") as f:
         d = json.load(f)
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path}: not a bench-serve result")
