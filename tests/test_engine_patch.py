@@ -538,6 +538,27 @@ def test_set_params_rejects_bad_values_and_keeps_old(clock):
 # ---- events ------------------------------------------------------------------------------------
 
 
+def test_a_lookup_through_the_kv_connector_path_is_reported_once(clock, monkeypatch):
+    """With a KV connector that takes divergent hybrid hits the scheduler looks
+    up through ``get_computed_blocks_for_connector``: on its plain path (it
+    calls ``get_computed_blocks``) and on its hybrid path (it does not), each
+    lookup makes one LOOKUP event."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    m = make_manager(10)
+    sink = EventSink(capacity=100)
+    install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    r1 = make_request("r1", tokens(0, 3, 1))
+    m.get_computed_blocks_for_connector(r1)
+    looked_up = [e.request_id for e in sink.drain() if e.kind == EventKind.LOOKUP]
+    assert looked_up == ["r1"]
+    plain = KVCacheManager.get_computed_blocks.__vllm_wa_wrapped__
+    # The hybrid path: vLLM finds the hits itself, without get_computed_blocks.
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, req: plain(self, req))
+    m.get_computed_blocks_for_connector(make_request("r2", tokens(100, 2, 1)))
+    assert [e.request_id for e in sink.drain() if e.kind == EventKind.LOOKUP] == ["r2"]
+
+
 def test_events_for_hit_eviction_and_finish(clock):
     m = make_manager(10)
     sink = EventSink(capacity=1000)

@@ -5,7 +5,8 @@ for a :class:`WorkloadAwareFreeQueue` holding the same free blocks in the same
 order, and wraps three ``KVCacheManager`` methods so the queue learns which
 request used each block:
 
-* ``get_computed_blocks``: the prefix lookup (reuse counts, lookup events);
+* ``get_computed_blocks``: the prefix lookup (reuse counts, lookup events),
+  and ``get_computed_blocks_for_connector``, the lookup with a KV connector;
 * ``free`` and ``pop_blocks_for_free``: a request releases its blocks; they
   are filed under the request's class before they reach the pool.
 
@@ -211,17 +212,40 @@ def uninstall_wa_queue(block_pool: Any) -> None:
 # ---- KVCacheManager wrappers ------------------------------------------------------------
 
 
+# Lookups reported on this thread since a connector lookup began (see _wrap_connector_lookup).
+_lookups = threading.local()
+
+
 def _wrap_lookup(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, request, *args, **kwargs)
         handle = getattr(self.block_pool, HANDLE_ATTR, None)
         if handle is not None:
+            _lookups.reported = True
             handle.guarded(handle.on_lookup, self, request, result)
         return result
 
     setattr(get_computed_blocks, _WRAPPED_MARK, orig)
     return get_computed_blocks
+
+
+def _wrap_connector_lookup(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The scheduler's lookup with a KV connector that takes divergent hybrid
+    hits (vLLM 0.32, hybrid Mamba models): it calls ``get_computed_blocks``
+    (reported there) except on the hybrid path, reported here."""
+
+    @functools.wraps(orig)
+    def get_computed_blocks_for_connector(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _lookups.reported = False
+        result = orig(self, request, *args, **kwargs)
+        handle = getattr(self.block_pool, HANDLE_ATTR, None)
+        if handle is not None and not _lookups.reported:
+            handle.guarded(handle.on_lookup, self, request, result)
+        return result
+
+    setattr(get_computed_blocks_for_connector, _WRAPPED_MARK, orig)
+    return get_computed_blocks_for_connector
 
 
 def _wrap_release(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -238,6 +262,7 @@ def _wrap_release(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 _WRAPPERS = {
     "get_computed_blocks": _wrap_lookup,
+    "get_computed_blocks_for_connector": _wrap_connector_lookup,
     "free": _wrap_release,
     "pop_blocks_for_free": _wrap_release,
 }
@@ -247,13 +272,13 @@ def _install_manager_hooks() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     for name, wrap in _WRAPPERS.items():
-        current = getattr(KVCacheManager, name)
-        if getattr(current, _WRAPPED_MARK, None) is not None:
-            continue
+        current = getattr(KVCacheManager, name, None)
+        if current is None or getattr(current, _WRAPPED_MARK, None) is not None:
+            continue  # (the connector lookup is not in every supported vLLM)
         setattr(KVCacheManager, name, wrap(current))
 
 
 def manager_hooks_installed() -> bool:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    return all(getattr(getattr(KVCacheManager, n), _WRAPPED_MARK, None) for n in _WRAPPERS)
+    return all(getattr(getattr(KVCacheManager, n), _WRAPPED_MARK, None) for n in _WRAPPERS if hasattr(KVCacheManager, n))
