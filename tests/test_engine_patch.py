@@ -557,6 +557,17 @@ def test_a_lookup_through_the_kv_connector_path_is_reported_once(clock, monkeypa
     monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, req: plain(self, req))
     m.get_computed_blocks_for_connector(make_request("r2", tokens(100, 2, 1)))
     assert [e.request_id for e in sink.drain() if e.kind == EventKind.LOOKUP] == ["r2"]
+    # A hit deeper than a lagging group: the scheduler settles it with
+    # get_computed_blocks (reported then), so it is not reported here.
+    from vllm_wa.engine_patch import install
+
+    diverged = install._wrap_connector_lookup(lambda self, req: (*plain(self, req), True))
+    r3 = make_request("r3", tokens(200, 2, 1))
+    diverged(m, r3)
+    assert [e for e in sink.drain() if e.kind == EventKind.LOOKUP] == []
+    monkeypatch.undo()  # the wrapped get_computed_blocks again
+    m.get_computed_blocks(r3)
+    assert [e.request_id for e in sink.drain() if e.kind == EventKind.LOOKUP] == ["r3"]
 
 
 def test_events_for_hit_eviction_and_finish(clock):

@@ -74,16 +74,20 @@ def test_a_cache_it_may_not_touch_is_still_read(parses, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["entry", "folder"])
-def test_an_entry_another_user_may_write_is_not_unpickled(parses, where):
-    """Unpickling runs code: a cache entry, or a cache folder, that others may
-    write is not read; the trace is parsed again."""
+def test_an_entry_anyone_may_write_is_not_unpickled(parses, where):
+    """Unpickling runs code: a cache entry, or a cache folder, that every user
+    may write is not read; the trace is parsed again.  Group-writable is read
+    (under umask 002 every entry is)."""
     trace_cache.load_trace_cached(MOONCAKE)
     folder = trace_cache.cache_dir()
     (entry,) = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".pkl")]
     target = entry if where == "entry" else folder
-    os.chmod(target, os.stat(target).st_mode | 0o022)
+    os.chmod(target, os.stat(target).st_mode | 0o020)
+    trace_cache.load_trace_cached(MOONCAKE)
+    assert len(parses) == 1
+    os.chmod(target, os.stat(target).st_mode | 0o002)
     assert trace_cache.load_trace_cached(MOONCAKE).requests
     assert len(parses) == 2
-    os.chmod(target, os.stat(target).st_mode & ~0o022)
+    os.chmod(target, os.stat(target).st_mode & ~0o002)
     trace_cache.load_trace_cached(MOONCAKE)
     assert len(parses) == 2  # the rewritten entry is read again

@@ -190,6 +190,14 @@ def blocks_after(order: Iterable[KVCacheBlock], cursor: KVCacheBlock | None) -> 
             found = True
 
 
+def _goes_before(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether a head keyed ``a`` (score, stamp) is evicted before one keyed
+    ``b``: :meth:`WorkloadAwareFreeQueue._first`'s order for two heads."""
+    if abs(a[0] - b[0]) <= _SCORE_TIE and a[1] != b[1]:
+        return a[1] < b[1]
+    return a < b  # equal keys: not before (the class order among the heads decides, as in _first)
+
+
 class WorkloadAwareFreeQueue:
     """Free-block queue that evicts the block least likely to be reused soon.
 
@@ -678,9 +686,14 @@ class WorkloadAwareFreeQueue:
         # a younger block of a falling score is above).  Otherwise stamps
         # clearly below the crossing beat the runner-up; the few near it are
         # settled by an exact reselect.
-        idle = active.scorer(best).idle_below(best_score + _SCORE_TIE if tied else second[0])
+        scorer = active.scorer(best)
+        if tied:
+            first_tied = min(tied)
+            if scorer.log_score(now - first_tied) <= best_score + _SCORE_TIE:
+                return first_tied  # every block of the run up to it still ties (a flat model's always)
+        idle = scorer.idle_below(best_score + _SCORE_TIE if tied else second[0])
         cross = now - (idle * (1.0 + 1e-9) + 1e-9) if idle < _INF else -_INF
-        return min(min(tied), cross) if tied else cross
+        return min(first_tied, cross) if tied else cross
 
     def _emit_evicted(self, out: list[KVCacheBlock], start: int, now: float) -> None:
         sink = self.sink
@@ -695,9 +708,9 @@ class WorkloadAwareFreeQueue:
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         """Free blocks in the order they would be evicted now (non-destructive).
 
-        Run by run, as :meth:`popleft_n` evicts: the heads are scored once a
-        run, not every block (vLLM's lazy CPU offload walks the next blocks
-        to go at every step).
+        Class run by class run, as :meth:`popleft_n` evicts: a run's block is
+        compared with the best other head only, not with every class's
+        (vLLM's lazy CPU offload walks the next blocks to go at every step).
         """
         nohash = self._nohash
         head, tail = self._heads[nohash], self._tails[nohash]
@@ -720,19 +733,27 @@ class WorkloadAwareFreeQueue:
                 keys[c] = (0.0 if uniform else active.scorer(c).log_score(now - s), s)
         while keys:
             c = self._first(keys)
-            below = self._run_below(active, keys, c, now)
             b, end = cursors[c], tails[c]
             yield b  # the head is the exact minimum
+            # The class's next blocks go while they still come before the
+            # best other head (the others do not move meanwhile): one score
+            # a block, and no crossing to solve for a short run.
+            rival = keys[self._first({k: v for k, v in keys.items() if k != c})] if len(keys) > 1 else None
+            scorer = None if uniform else active.scorer(c)
             b = b.next_free_block
-            while b is not end and stamp_of[b.block_id] < below:
+            key = None
+            while b is not end:
+                s = stamp_of[b.block_id]
+                key = (0.0 if scorer is None else scorer.log_score(now - s), s)
+                if rival is not None and not _goes_before(key, rival):
+                    break
                 yield b
                 b = b.next_free_block
             if b is end:
                 del cursors[c], keys[c]
             else:
                 cursors[c] = b
-                s = stamp_of[b.block_id]
-                keys[c] = (0.0 if uniform else active.scorer(c).log_score(now - s), s)
+                keys[c] = key
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in current eviction order. Mainly used for testing."""

@@ -233,14 +233,17 @@ def _wrap_lookup(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_connector_lookup(orig: Callable[..., Any]) -> Callable[..., Any]:
     """The scheduler's lookup with a KV connector that takes divergent hybrid
     hits (vLLM 0.32, hybrid Mamba models): it calls ``get_computed_blocks``
-    (reported there) except on the hybrid path, reported here."""
+    (reported there) except on the hybrid path, reported here.  A hit that
+    ran deeper than a lagging group (``result[3]``) is not: without external
+    tokens the scheduler settles it with ``get_computed_blocks`` (reported
+    then), and a request is reported once, so the deeper hit would stand."""
 
     @functools.wraps(orig)
     def get_computed_blocks_for_connector(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         _lookups.reported = False
         result = orig(self, request, *args, **kwargs)
         handle = getattr(self.block_pool, HANDLE_ATTR, None)
-        if handle is not None and not _lookups.reported:
+        if handle is not None and not _lookups.reported and not result[3]:
             handle.guarded(handle.on_lookup, self, request, result)
         return result
 

@@ -16,10 +16,10 @@ R = TypeVar("R")
 
 
 def worker_count(jobs: int) -> int:
-    """The processes to fork for ``jobs`` (0: one per core): at most one per
-    core.  Replays are CPU-bound, so more only add memory (each worker holds
+    """The processes to fork for ``jobs`` (0: one per core this process may
+    run on): at most one per core.  Replays are CPU-bound, so more only add memory (each worker holds
     a replay's state, hundreds of MB on the development traces)."""
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if jobs < 0:
         raise ValueError(f"jobs must be 0 (one per core) or more, got {jobs}")
     return cores if jobs == 0 else min(jobs, cores)

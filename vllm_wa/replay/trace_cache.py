@@ -37,14 +37,16 @@ def _parser_digest() -> str:
 
 
 def _ours(path: str) -> bool:
-    """Whether ``path`` is this user's and only this user can write it.
+    """Whether ``path`` is this user's and not writable by every user.
 
-    Unpickling runs code: an entry (or a folder) that another user owns or
-    may write is not read, whatever ``VLLM_WA_CACHE`` points at; the trace
-    is parsed again (and the entry rewritten, where this user can).
+    Unpickling runs code: an entry (or a folder) that another user owns, or
+    that anyone may write, is not read, whatever ``VLLM_WA_CACHE`` points at;
+    the trace is parsed again (and the entry rewritten, where this user can).
+    Group-writable passes: under umask 002 (a user's own group) every entry
+    is, and the folder this module creates is this user's alone.
     """
     st = os.stat(path)
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return st.st_uid == os.getuid() and not st.st_mode & 0o002
 
 
 def cache_dir() -> str:
@@ -92,7 +94,7 @@ def load_trace_cached(
         pass
     trace = load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
     try:
-        os.makedirs(cache_dir(), exist_ok=True)
+        os.makedirs(cache_dir(), mode=0o700, exist_ok=True)
         with atomic_write(file, "wb") as f:
             pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
         prune(MAX_ENTRIES)
