@@ -190,6 +190,11 @@ def blocks_after(order: Iterable[KVCacheBlock], cursor: KVCacheBlock | None) -> 
             found = True
 
 
+# Blocks of a class run the eviction-order walk scores one by one before it
+# solves for the run's crossing with the next class (once a run).
+_RUN_SCORED = 8
+
+
 def _goes_before(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """Whether a head keyed ``a`` (score, stamp) is evicted before one keyed
     ``b``: :meth:`WorkloadAwareFreeQueue._first`'s order for two heads."""
@@ -709,7 +714,8 @@ class WorkloadAwareFreeQueue:
         """Free blocks in the order they would be evicted now (non-destructive).
 
         Class run by class run, as :meth:`popleft_n` evicts: a run's block is
-        compared with the best other head only, not with every class's
+        compared with the best other head only, not with every class's, and
+        a long run's blocks below its crossing with that head are not scored
         (vLLM's lazy CPU offload walks the next blocks to go at every step).
         """
         nohash = self._nohash
@@ -742,13 +748,21 @@ class WorkloadAwareFreeQueue:
             scorer = None if uniform else active.scorer(c)
             b = b.next_free_block
             key = None
+            scored, below = 0, -_INF
             while b is not end:
                 s = stamp_of[b.block_id]
+                if s < below:  # a long run: stamps below its crossing need no score
+                    yield b
+                    b = b.next_free_block
+                    continue
                 key = (0.0 if scorer is None else scorer.log_score(now - s), s)
                 if rival is not None and not _goes_before(key, rival):
                     break
                 yield b
                 b = b.next_free_block
+                scored += 1
+                if scored == _RUN_SCORED and scorer is not None and rival is not None:
+                    below = self._run_below(active, keys, c, now)
             if b is end:
                 del cursors[c], keys[c]
             else:
