@@ -193,12 +193,15 @@ def test_agentic_fields_of_the_wrong_type_are_bad_records_and_only_trace_files_a
     (d / "trace_0002.json").write_text(json.dumps({"block_size": 64, "requests": [req(stop=["tool_use"])]}))
     (d / "trace_0003.json").write_text(json.dumps({"block_size": 64, "requests": [req(input_types=5)]}))
     (d / "trace_0004.json").write_text("[" * 100_000 + "]" * 100_000)
+    (d / "trace_0005.json").write_text(json.dumps({"block_size": 64, "requests": [req(api_time="2.5")]}))
+    (d / "trace_0006.json").write_text(json.dumps({"block_size": 64, "requests": [req(api_time=-1.0)]}))
     (d / "._trace_0001.json").write_bytes(b"\x00\x05\x16\x07 resource fork")  # a macOS copy's sidecar
     (d / "metadata.json").write_text(json.dumps({"source": "kv-cache-tester"}))
     with pytest.raises(TraceFormatError, match="trace_0002.json: field 'stop'"):
         load_trace(str(d), "agentic")
     tr = load_trace(str(d), "agentic", skip_bad=True)
-    assert tr.skipped_lines == 3 and [r.request_id for r in tr.requests] == ["trace_0001.json#0"]
+    # A service time that is not a number was dropped for the throughput model's, silently.
+    assert tr.skipped_lines == 5 and [r.request_id for r in tr.requests] == ["trace_0001.json#0"]
 
 
 def test_replay_says_what_it_loaded_and_warns_of_a_window_past_the_cut(tmp_path):
@@ -795,6 +798,18 @@ def test_cli_profile_round_trips_pr_format(tmp_path, agentic):
     assert all(0 <= m.p <= 1 and m.a > 0 for m in params.models.values())
     # In these traces tool results come back much sooner than people do.
     assert params.models["tool"].a > params.models["human"].a
+
+
+def test_agentic_only_options_on_another_format_are_said_to_be_ignored(capsys):
+    """--seed, --window and --conversations shape agentic traces only; on a
+    Mooncake trace they did nothing, silently."""
+    trace = sample_path("mooncake-conversation-sample.jsonl.xz")
+    args = ["replay", trace, "--policies", "lru", "--cache-blocks", "100", "--no-cache"]
+    assert cli_main([*args, "--seed", "3", "--window", "60"]) == 0
+    err = capsys.readouterr().err
+    assert "--seed, --window apply to agentic traces only; ignored for" in err and "(mooncake)" in err
+    assert cli_main(args) == 0
+    assert "apply to agentic traces only" not in capsys.readouterr().err
 
 
 def test_cli_reports_bad_traces_clearly(tmp_path, capsys):

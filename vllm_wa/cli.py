@@ -13,7 +13,7 @@ from importlib import resources
 from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
-from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError
+from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError, detect_format
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
 from vllm_wa.replay.runner import POLICIES, ReplayConfig, parse_sizes, prepare, resolve_sizes, sweep_tasks
@@ -38,6 +38,14 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def _load(path: str, args: argparse.Namespace):
     opts = AgenticOptions(window=args.window, max_conversations=args.conversations, seed=args.seed)
+    agentic_only = [
+        flag for flag, given in (("--seed", args.seed != 0), ("--window", args.window != AgenticOptions.window),
+                                 ("--conversations", args.conversations is not None)) if given
+    ]
+    if agentic_only and os.path.exists(path) and (fmt := args.format or detect_format(path)) != "agentic":
+        # One sweep may mix formats: said, not refused.
+        print(f"vllm-wa: {', '.join(agentic_only)} apply to agentic traces only; ignored for {path} ({fmt})",
+              file=sys.stderr)
     return load_trace_cached(
         path, args.format, skip_bad=args.skip_bad, agentic=opts, cut=args.cut, use_cache=not args.no_cache
     )

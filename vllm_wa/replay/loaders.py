@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import lzma
-import math
 import os
 import random
 import tarfile
@@ -446,7 +445,9 @@ def _agentic_requests(
         if arrival >= opts.cut:
             continue
         hashes = hash_ids(r, offset=namespace)
+        # The request's own service time where the trace has one (else the throughput model's).
         api = r.get("api_time")
+        service = None if api is None else float_field(r, "api_time")
         stop = r.get("stop")
         if stop is not None and not isinstance(stop, str):
             raise ValueError(f"field 'stop' must be a string, got {short_repr(stop)}")
@@ -460,7 +461,7 @@ def _agentic_requests(
                 tag=_agentic_tag(r),
                 conversation=conv,
                 outcome=_OUTCOMES.get(stop, "stop" if stop else None),
-                service_time=float(api) if isinstance(api, (int, float)) and not isinstance(api, bool) and math.isfinite(api) and api >= 0 else None,
+                service_time=service,
             )
         )
 
