@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import math
 import os
 import tarfile
@@ -295,6 +296,10 @@ def test_reads_are_bounded_a_long_line_a_large_member_and_no_device_files(tmp_pa
         tar.add(d / "trace_0001.json", arcname="convs/trace_0001.json")
     with pytest.raises(TraceFormatError, match="trace_0001.json: a conversation file of"):
         load_trace(str(archive))
+    named_like_one = tmp_path / "lines.tar.xz"  # a JSON-lines trace, xz-compressed, misnamed
+    named_like_one.write_bytes(lzma.compress(("\n".join(good) + "\n").encode()))
+    with pytest.raises(TraceFormatError, match="not a tar archive, though named like one"):
+        load_trace(str(named_like_one))
     monkeypatch.setattr(loaders, "MAX_CONVERSATION_BYTES", 1 << 20)
     twice = tmp_path / "twice.tar"  # one name stored twice: the later copy, once
     with tarfile.open(twice, "w") as tar:

@@ -393,6 +393,8 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
         for name, raw in sorted(dict(found).items()):
             yield f"{path}:{name}", raw
         return
+    if path.endswith(_ARCHIVES):
+        raise TraceFormatError(path, "not a tar archive, though named like one (a JSON-lines trace? pass --format)")
     with open(path, "rb") as f:
         yield path, _read_conversation(path, f, os.fstat(f.fileno()).st_size)
 
