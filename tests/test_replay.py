@@ -298,8 +298,24 @@ def test_reads_are_bounded_a_long_line_a_large_member_and_no_device_files(tmp_pa
         load_trace(str(archive))
     named_like_one = tmp_path / "lines.tar.xz"  # a JSON-lines trace, xz-compressed, misnamed
     named_like_one.write_bytes(lzma.compress(("\n".join(good) + "\n").encode()))
-    with pytest.raises(TraceFormatError, match="not a tar archive, though named like one"):
+    with pytest.raises(TraceFormatError, match="not a tar archive, though named like one .a JSON-lines trace"):
         load_trace(str(named_like_one))
+    real = sample_path("agentic-coding-sample.tar.xz")
+    with open(real, "rb") as f:
+        start = f.read(100)
+    cut_short = tmp_path / "cut.tar.xz"  # a download cut short: damaged, not misnamed
+    cut_short.write_bytes(start)
+    with pytest.raises(TraceFormatError, match="cannot read archive"):
+        load_trace(str(cut_short))
+    gz = tmp_path / "cut.tar.gz"
+    with tarfile.open(gz, "w:gz") as tar:
+        tar.add(d / "trace_0001.json", arcname="convs/trace_0001.json")
+    gz.write_bytes(gz.read_bytes()[:6])  # tarfile.is_tarfile raised EOFError: a traceback
+    with pytest.raises(TraceFormatError, match="cannot read archive"):
+        load_trace(str(gz))
+    (tmp_path / "empty.tar.xz").write_bytes(b"")
+    with pytest.raises(TraceFormatError, match="empty"):
+        load_trace(str(tmp_path / "empty.tar.xz"))
     monkeypatch.setattr(loaders, "MAX_CONVERSATION_BYTES", 1 << 20)
     twice = tmp_path / "twice.tar"  # one name stored twice: the later copy, once
     with tarfile.open(twice, "w") as tar:
@@ -813,6 +829,8 @@ def test_agentic_only_options_on_another_format_are_said_to_be_ignored(capsys):
     assert cli_main([*args, "--seed", "3", "--window", "60"]) == 0
     err = capsys.readouterr().err
     assert "--seed, --window apply to agentic traces only; ignored for" in err and "(mooncake)" in err
+    assert cli_main([*args, "--seed", "3"]) == 0
+    assert "--seed applies to agentic traces only" in capsys.readouterr().err
     assert cli_main(args) == 0
     assert "apply to agentic traces only" not in capsys.readouterr().err
 

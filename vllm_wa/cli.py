@@ -44,7 +44,8 @@ def _load(path: str, args: argparse.Namespace):
     ]
     if agentic_only and os.path.exists(path) and (fmt := args.format or detect_format(path)) != "agentic":
         # One sweep may mix formats: said, not refused.
-        print(f"vllm-wa: {', '.join(agentic_only)} apply to agentic traces only; ignored for {path} ({fmt})",
+        verb = "applies" if len(agentic_only) == 1 else "apply"
+        print(f"vllm-wa: {', '.join(agentic_only)} {verb} to agentic traces only; ignored for {path} ({fmt})",
               file=sys.stderr)
     return load_trace_cached(
         path, args.format, skip_bad=args.skip_bad, agentic=opts, cut=args.cut, use_cache=not args.no_cache

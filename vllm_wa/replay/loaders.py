@@ -14,6 +14,7 @@ import lzma
 import os
 import random
 import tarfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
@@ -374,7 +375,11 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
                 with open(full, "rb") as f:
                     yield full, _read_conversation(full, f, os.fstat(f.fileno()).st_size)
         return
-    if tarfile.is_tarfile(path):
+    try:
+        is_tar = tarfile.is_tarfile(path)
+    except (*_READ_ERRORS, zlib.error) as e:  # a truncated .tar.gz header raises here
+        raise TraceFormatError(path, f"cannot read archive: {e}") from e
+    if is_tar:
         try:
             # Read in the archive's order, then sort: extracting members in name
             # order seeks backwards through a compressed stream whenever the two
@@ -394,9 +399,25 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
             yield f"{path}:{name}", raw
         return
     if path.endswith(_ARCHIVES):
-        raise TraceFormatError(path, "not a tar archive, though named like one (a JSON-lines trace? pass --format)")
+        raise TraceFormatError(path, _not_a_tar(path))
     with open(path, "rb") as f:
         yield path, _read_conversation(path, f, os.fstat(f.fileno()).st_size)
+
+
+def _not_a_tar(path: str) -> str:
+    """Why a file named like an archive is not one: damaged, empty, or another file."""
+    try:
+        with _open_binary(path) as f:
+            head = f.read(512)
+    except (*_READ_ERRORS, zlib.error) as e:
+        return f"cannot read archive (truncated or damaged?): {e}"
+    if not head:
+        return "not a tar archive: the file is empty"
+    if head[257:262] == b"ustar":  # a tar header's magic: the archive is cut short or damaged further on
+        return "cannot read archive (truncated or damaged?)"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "not a tar archive, though named like one (a JSON-lines trace? pass --format)"
+    return "not a tar archive, though named like one"
 
 
 def _read_conversation(where: str, f: IO[bytes], size: int) -> bytes:
