@@ -757,3 +757,34 @@ def test_a_run_from_tied_heads_stops_where_its_blocks_score_above_them():
     expected = ids(q.iter_eviction_order())
     assert expected == [0, 2, 3, 1]
     assert ids(q.popleft_n(4)) == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_walk_over_long_runs_is_the_eviction_order(seed):
+    """Requests free runs of 10 to 64 blocks into a few classes with falling
+    scores: the walk (``iter_eviction_order``, which takes a long run's blocks
+    below its crossing unscored) must give the order ``popleft_n`` evicts in."""
+    rng = random.Random(seed)
+    reg, cids = _registry(rng.randint(2, 4))
+    mode = ("pr", "posterior", "density", "ttl")[seed % 4]
+    params = WAParams(models={f"c{i}": rng.choice(MODELS) for i in range(len(cids))}, mode=mode, horizon=10.0,
+                      stamp=rng.choice(["free", "lookup"]))
+    clock = SettableClock(100.0)
+    blocks = [KVCacheBlock(i) for i in range(400)]
+    q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg, score_staleness=0.0)
+    held = q.popleft_n(400)
+    for i, b in enumerate(held):
+        b._block_hash = ("h", i)
+    while held:
+        clock.advance(rng.choice([0.01, 0.5, 3.0, 20.0]))
+        k = rng.randint(10, 64)
+        run, held = held[:k], held[k:]
+        start = clock.t - rng.choice([0.0, 2.0, 30.0])
+        c = rng.choice(cids)
+        for b in run:
+            q.block_class[b.block_id] = c
+            q.lookup_time[b.block_id] = max(q.lookup_time[b.block_id], start)
+        q.append_n(run)
+    clock.advance(5.0)
+    walked = ids(q.iter_eviction_order())
+    assert walked == ids(q.popleft_n(len(walked)))
