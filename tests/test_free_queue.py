@@ -788,3 +788,28 @@ def test_the_walk_over_long_runs_is_the_eviction_order(seed):
     clock.advance(5.0)
     walked = ids(q.iter_eviction_order())
     assert walked == ids(q.popleft_n(len(walked)))
+
+
+def test_a_block_within_the_tie_of_the_runner_up_waits_for_the_older_head():
+    """A run's crossing with the runner-up head is solved in idle time; for a
+    slowly falling score its margin was smaller than the tie, so a block that
+    scores within 1e-9 of the runner-up head, but is newer, went first."""
+    rate, shift = 1.0 / 60.0, 5.0
+    reg = ClassRegistry()
+    # B's law is A's shifted by 5 s of idle time: B's block freed at 985 ties A's freed at 980.
+    params = WAParams(models={"A": ReuseModel.exponential(0.9, rate),
+                              "B": ReuseModel.exponential(0.9 * math.exp(-rate * shift), rate)}, mode="pr", horizon=1.0)
+    plan = sorted([("B", 885.0 + k) for k in range(11)] + [("A", 980.0), ("B", 985.0 - 3e-8), ("B", 986.0)],
+                  key=lambda e: e[1])
+    blocks = [KVCacheBlock(i) for i in range(len(plan))]
+    clock = SettableClock(0.0)
+    q = WorkloadAwareFreeQueue([], params, clock=clock, registry=reg, num_block_ids=len(plan), score_staleness=0.0)
+    cls = {"A": reg.claim("A", 0.0), "B": reg.claim("B", 0.0)}
+    for b, (name, t) in zip(blocks, plan):
+        b._block_hash = ("h", b.block_id)
+        clock.t = t
+        q.block_class[b.block_id] = cls[name]
+        q.append_n([b])
+    clock.t = 1000.0
+    got = ids(q.popleft_n(len(plan)))
+    assert got.index(11) < got.index(12)  # A's head (980 s) before B's tied, newer block (985 s)

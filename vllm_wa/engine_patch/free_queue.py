@@ -696,7 +696,9 @@ class WorkloadAwareFreeQueue:
             first_tied = min(tied)
             if scorer.log_score(now - first_tied) <= best_score + _SCORE_TIE:
                 return first_tied  # every block of the run up to it still ties (a flat model's always)
-        idle = scorer.idle_below(best_score + _SCORE_TIE if tied else second[0])
+        # (Below the runner-up by more than the tie: a block within the tie of
+        # it is settled by stamp, at an exact reselect.)
+        idle = scorer.idle_below(best_score + _SCORE_TIE if tied else second[0] - _SCORE_TIE)
         cross = now - (idle * (1.0 + 1e-9) + 1e-9) if idle < _INF else -_INF
         return min(first_tied, cross) if tied else cross
 
