@@ -180,16 +180,6 @@ class QueueCounters:
     reclassified: int = 0
 
 
-def blocks_after(order: Iterable[KVCacheBlock], cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-    """The blocks of ``order`` after ``cursor`` (all of them when it is None)."""
-    found = cursor is None
-    for b in order:
-        if found:
-            yield b
-        elif b is cursor:
-            found = True
-
-
 # Blocks of a class run the eviction-order walk scores one by one before it
 # solves for the run's crossing with the next class (once a run).
 _RUN_SCORED = 8

@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_wa.engine_patch.free_queue import blocks_after
 from vllm_wa.replay.trace import Trace
 
 NEVER = np.iinfo(np.int64).max
+
+
+def blocks_after(order: Iterable[KVCacheBlock], cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+    """The blocks of ``order`` after ``cursor`` (all of them when it is None)."""
+    found = cursor is None
+    for b in order:
+        if found:
+            yield b
+        elif b is cursor:
+            found = True
 
 
 def next_use_table(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
