@@ -13,6 +13,7 @@ import lzma
 import os
 import sys
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -23,6 +24,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 TOMLDecodeError = tomllib.TOMLDecodeError
+# What a damaged compressed file (one cut short, or not what its name says)
+# or a non-UTF-8 one raises while it is read through :func:`opener_for`.
+READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, UnicodeDecodeError)
 
 
 def read_toml(path: str) -> dict[str, Any]:

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import lzma
 import os
 import random
 import tarfile
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
 import numpy as np
 
-from vllm_wa.fileio import opener_for
+from vllm_wa.fileio import READ_ERRORS, opener_for
 from vllm_wa.replay.records import NAMESPACE, float_field, hash_ids, int_field, token_field
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
@@ -61,8 +59,6 @@ MAX_RECORD_BYTES = 16 << 20
 # The largest agentic conversation file read (the development split's largest is
 # a few MB); an archive's members are all read before any is parsed.
 MAX_CONVERSATION_BYTES = 256 << 20
-# What a damaged compressed or non-UTF-8 file raises while it is read.
-_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError)
 
 
 def _open_binary(path: str) -> IO[bytes]:
@@ -81,7 +77,7 @@ def detect_format(path: str) -> str:
             first = f.readline(MAX_RECORD_BYTES).decode("utf-8-sig", errors="replace").strip()
             if path.endswith(".json") and not first.endswith("}"):
                 return "agentic"
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
     if not first:
         raise TraceFormatError(path, "the file starts with no record (empty, or a blank first line); pass --format")
@@ -127,7 +123,7 @@ def load_trace(
     elif fmt == "served":
         try:
             trace = load_served(path, skip_bad=skip_bad)
-        except (*_READ_ERRORS, ValueError, RecursionError) as e:
+        except (*READ_ERRORS, ValueError, RecursionError) as e:
             raise TraceFormatError(path, f"not a readable bench-serve result: {e}") from None
         kept, dropped = _drop_broken_chains(trace.requests, path, skip_bad)
         if dropped:
@@ -168,7 +164,7 @@ def _json_lines(path: str) -> Iterator[tuple[int, bytes | None]]:
                     yield lineno, None
                 elif line.strip():
                     yield lineno, line
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         raise TraceFormatError(path, f"cannot read: {e}") from e
 
 
@@ -377,7 +373,7 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
         return
     try:
         is_tar = tarfile.is_tarfile(path)
-    except (*_READ_ERRORS, zlib.error) as e:  # a truncated .tar.gz header raises here
+    except READ_ERRORS as e:  # a truncated .tar.gz header raises here
         raise TraceFormatError(path, f"cannot read archive: {e}") from e
     if is_tar:
         try:
@@ -392,7 +388,7 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
                         f = tar.extractfile(m)
                         if f is not None:
                             found.append((m.name, _read_conversation(f"{path}:{m.name}", f, m.size)))
-        except (tarfile.TarError, OSError, EOFError, lzma.LZMAError) as e:
+        except (tarfile.TarError, *READ_ERRORS) as e:
             raise TraceFormatError(path, f"cannot read archive: {e}") from e
         # A name stored twice (an appended archive) is the later copy, as tar extracts it.
         for name, raw in sorted(dict(found).items()):
@@ -409,7 +405,7 @@ def _not_a_tar(path: str) -> str:
     try:
         with _open_binary(path) as f:
             head = f.read(512)
-    except (*_READ_ERRORS, zlib.error) as e:
+    except READ_ERRORS as e:
         return f"cannot read archive (truncated or damaged?): {e}"
     if not head:
         return "not a tar archive: the file is empty"

@@ -25,8 +25,6 @@ NAMESPACE = 1 << 40
 
 def int_field(rec: dict, key: str, *, lo: int = 0, hi: int | None = None) -> int:
     """An integer field (integral floats pass, booleans do not) in ``[lo, hi]``."""
-    if hi is None:
-        return int(check_number(f"field {key!r}", rec.get(key), ge=lo, integer=True))
     return int(check_number(f"field {key!r}", rec.get(key), ge=lo, le=hi, integer=True))
 
 

@@ -25,7 +25,6 @@ spreading a long prompt's allocation over several steps, and preemption.
 from __future__ import annotations
 
 import json
-import lzma
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -34,7 +33,7 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_wa.bench.results import FORMAT, VERSION
-from vllm_wa.fileio import opener_for
+from vllm_wa.fileio import READ_ERRORS, opener_for
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.records import MAX_TOKENS, hash_ids, int_field, str_field, token_field
@@ -54,7 +53,7 @@ def is_served_result(path: str) -> bool:
     try:
         with opener_for(path)(path, "rb") as f:
             head = f.read(4096)
-    except (OSError, EOFError, lzma.LZMAError):
+    except READ_ERRORS:
         return False
     return head.lstrip().startswith(b"{") and FORMAT.encode() in head
 
