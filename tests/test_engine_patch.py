@@ -517,6 +517,36 @@ def test_a_deferred_release_takes_its_lookup_stamp_after_a_swap_turned_them_on(c
     assert [stamps[b] for b in list(stamps)[:2]] == [10.0, 10.0]  # the earlier start goes first
 
 
+def test_a_block_given_new_content_forgets_the_lookup_of_its_old_content(clock):
+    """A long-running request that takes an evicted block mid-decode releases
+    it stamped by its own start, not by the later lookup of the content the
+    block held before (which would file it as more recent than it is)."""
+    m = make_manager(6)  # five usable blocks
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
+    long_running = make_request("long", tokens(100, 1))
+    clock.t = 20.0
+    run_prefill(m, long_running)  # holds two blocks
+    old = make_request("old", tokens(5000, 2))
+    clock.t = 100.0
+    run_prefill(m, old)
+    clock.t = 110.0
+    finish(m, old)  # three free blocks, last looked up at 100
+    old_ids = {b.block_id for b in h.queue.iter_eviction_order()}
+    clock.t = 120.0
+    for tok in range(2 * BS):
+        long_running.append_output_token_ids(9000 + tok)
+    assert m.allocate_slots(long_running, 2 * BS) is not None  # evicts two of them
+    long_running.num_computed_tokens = long_running.num_tokens
+    taken = set(block_ids_of(m, "long")) & old_ids
+    assert len(taken) == 2
+    clock.t = 130.0
+    finish(m, long_running)
+    h.queue.check_invariants()
+    # (A block without a hash, the partial tail, has no content to date.)
+    cached = [b.block_id for b in h.queue.iter_eviction_order() if b.block_hash is not None and b.block_id in taken]
+    assert cached and {h.queue.stamp[bid] for bid in cached} == {20.0}
+
+
 def test_set_params_rejects_bad_values_and_keeps_old(clock):
     m = make_manager(8)
     h = install_wa_queue(m.block_pool, clock=clock)

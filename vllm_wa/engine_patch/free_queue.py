@@ -585,6 +585,11 @@ class WorkloadAwareFreeQueue:
                 self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
+        # The blocks take new content: the lookups of the old one no longer
+        # date them (the tagger keeps a block's latest start among its users).
+        lookup_time = self.lookup_time
+        for b in out:
+            lookup_time[b.block_id] = 0.0
         return out
 
     def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:
