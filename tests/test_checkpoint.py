@@ -69,7 +69,7 @@ def test_round_trip_restores_estimators_params_and_version(saved, tmp_path):
     assert c.version >= 2
     fresh = controller()
     assert fresh.load_checkpoint(str(path))
-    assert len(fresh.estimators) == len(c.estimators)
+    assert len(fresh._bank) == len(c._bank)
     assert fresh.params.models == c.params.models
     # The parameter version continues where it stopped (defect 7's last part).
     assert fresh.version == c.version and fresh.params.version == c.version
@@ -176,7 +176,7 @@ def test_crafted_checkpoints_give_the_prior_and_a_warning(saved, tmp_path, caplo
         with caplog.at_level(logging.WARNING):
             assert c.load_checkpoint(str(path)) is False, i
         assert "ignoring checkpoint" in caplog.text, i
-        assert c.params.source == "prior" and not c.estimators and c.version == 0, i
+        assert c.params.source == "prior" and not len(c._bank) and c.version == 0, i
 
 
 def test_oversized_checkpoint_file_is_not_read(saved, monkeypatch):

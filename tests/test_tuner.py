@@ -3,6 +3,7 @@ and the controller as the one owner of the live parameters."""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from dataclasses import replace
@@ -590,6 +591,52 @@ def test_the_real_cache_check_demotes_a_candidate_its_miniature_cache_overstates
 
     faithful = run_with_real_cache(True, 0.0)
     assert [sw.reason for sw in faithful.switches] == ["promote"] and faithful.active == WA
+
+
+def run_with_transition(turnover: float, transition_s: float, seconds: float = 3600.0) -> Tuner:
+    """As :func:`run_with_real_cache`, with a real cache that trails WA's
+    prediction by 8 points for ``transition_s`` after each switch to WA (it
+    still holds what LRU kept) and matches it afterwards; it evicts one
+    sampled block a second and holds 120 of them."""
+    settings = replace(SETTINGS, real_check_turnover=turnover)
+    tuner = Tuner([LRU, WA], settings, sampled_cache_blocks=120.0)
+    rng = random.Random(0)
+    t = 0.0
+    while t < seconds:
+        for _ in range(10):
+            u = [rng.random() for _ in range(8)]
+            if tuner.active == WA:
+                p_real = 0.35 - (0.08 if t - tuner.active_since < transition_s else 0.0)
+            else:
+                p_real = 0.30
+            tuner.record(t, 8, [sum(x < 0.30 for x in u), sum(x < 0.35 for x in u)], sum(x < p_real for x in u))
+            t += 0.5
+            if t % 1.0 == 0.0:
+                tuner.evicted(t, 1)
+        tuner.decide(t)
+    return tuner
+
+
+def test_the_real_cache_check_counts_once_the_real_cache_has_turned_over():
+    """After a switch the real cache holds what LRU kept and trails the new
+    candidate's prediction for a while: the check waits until the real cache
+    has evicted as many sampled blocks as it holds (120 s here), so a
+    transition of 100 s demotes nothing, where a check counting from the
+    switch demoted WA and barred it for good. A real cache that trails for
+    good is still demoted, within the demotion window after the turnover."""
+    waited = run_with_transition(1.0, 100.0)
+    assert [sw.reason for sw in waited.switches] == ["promote"] and waited.active == WA
+    assert waited.real_check_since == pytest.approx(waited.active_since + 120.0, abs=1.0)
+
+    at_once = run_with_transition(0.0, 100.0)
+    assert [sw.reason for sw in at_once.switches][:2] == ["promote", "real-check"]
+    assert at_once.overstated[WA] > 0.02
+
+    faulty = run_with_transition(1.0, math.inf)
+    assert [sw.reason for sw in faulty.switches][:2] == ["promote", "real-check"]
+    promoted, demoted = faulty.switches[0].time, faulty.switches[1].time
+    assert promoted + 120.0 <= demoted <= promoted + 120.0 + SETTINGS.demote_window_s
+    assert faulty.overstated[WA] == pytest.approx(0.08, abs=0.02)
 
 
 def test_a_candidate_the_tuner_started_on_is_checked_from_the_start():

@@ -131,6 +131,7 @@ class ControllerConfig:
     tuner_replace_confidence: float = 0.95
     tuner_replace_gate_confidence: float = 0.95
     tuner_real_check: bool = True
+    tuner_real_check_turnover: float = 1.0
     initial: str = "lru"
     candidates: tuple[CandidateSpec, ...] = field(default_factory=_default_candidates)
 
@@ -167,6 +168,7 @@ class ControllerConfig:
                 "tuner_short_window_s must be 0 (off) or hold tuner_min_batches batches (tuner_min_batches x tuner_batch_s)"
             )
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
+        check_number("tuner_real_check_turnover", self.tuner_real_check_turnover, ge=0, le=100, error=ConfigError)
         if self.sample_rate is not None:
             check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
         check_number("sample_salt", self.sample_salt, ge=0, le=(1 << 64) - 1, integer=True, error=ConfigError)
@@ -232,6 +234,7 @@ class ControllerConfig:
             replace_confidence=self.tuner_replace_confidence,
             replace_gate_confidence=self.tuner_replace_gate_confidence,
             real_check=self.tuner_real_check,
+            real_check_turnover=self.tuner_real_check_turnover,
         )
 
     @property

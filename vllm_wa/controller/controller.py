@@ -38,8 +38,9 @@ from vllm_wa.controller.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from vllm_wa.controller.class_drift import ClassDrift
 from vllm_wa.controller.config import FAMILIES, CandidateSpec, ControllerConfig
-from vllm_wa.controller.estimators import ModelFit, ReuseEstimator, SurvivalBank, forgetting_factor, pooled
+from vllm_wa.controller.estimators import ModelFit, SurvivalBank, forgetting_factor, pooled
 from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
 from vllm_wa.controller.learned_key import LearnedKey, assign
 from vllm_wa.controller.reuse_tracker import ReuseTracker
@@ -173,7 +174,6 @@ class WAController:
         self._other_fine = ("other",) + ("*",) * (len(FEATURES) - 1)
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
-        self.estimators: list[ReuseEstimator] = []
         # When each finest class last had a block freed into it, reused or
         # censored (as of a refit), and those that have had one since the last refit.
         self._fine_used_at: list[float] = []
@@ -189,7 +189,11 @@ class WAController:
         # observations are): the class test counts one lookup's blocks as one
         # observation per class of the key, however many finest classes they span.
         self._labels: dict[FeatureKey, tuple[list[str], dict[str, int], list[int], list[float]]] = {}
-        self._found: list[int] = []  # the finest classes the lookup being processed found reuses in
+        # Per class key: its classes' drift detectors, and what they forgot
+        # in that key's view (the finest rows are never cut: class_drift).
+        self._drift: dict[FeatureKey, ClassDrift] = {}
+        # The finest classes the lookup being processed found reuses in, with their gaps.
+        self._found: list[tuple[int, list[float]]] = []
         self.tracker = ReuseTracker(
             ghost_capacity=int(config.ghost_factor * sampled_cache),
             watch_capacity=2 * sampled_cache + 1024,
@@ -222,7 +226,7 @@ class WAController:
             counted = cand.key.cells if isinstance(cand.key, LearnedKey) else cand.key
             if counted is not None:
                 self._key_labels(counted)
-        self.tuner = Tuner(list(self.candidates), config.tuner_settings, initial=config.initial)
+        self.tuner = Tuner(list(self.candidates), config.tuner_settings, config.initial, sampled_cache)
         self.pinned: WAParams | None = None
         self._pinned_key: FeatureKey | None = None
         # What the live queue runs: the parameters and the class key (None: LRU).
@@ -275,14 +279,16 @@ class WAController:
         self._fine_ids[comps] = fid
         self._fine.append(comps)
         self._fine_used_at.append(-math.inf)
-        self.estimators.append(ReuseEstimator(self.config.drift_delta, self.config.drift_forget, self._bank.new_row()))
+        self._bank.new_row()
         return fid
 
     def _retire_fine(self, now: float) -> None:
         """Give back the finest classes unused for ``class_retire_s`` (see :data:`RETIRE_FINE_AT`).
 
         The table is renumbered: the kept classes keep their observations,
-        their watched blocks and (by name) each key's lookup counts.
+        their watched blocks and (by name) each key's lookup counts and
+        drift detectors; a class's drift cut shrinks with the observations
+        retired from it.
         """
         used_at = self._fine_used_at
         for fid in self._fine_touched:
@@ -299,9 +305,9 @@ class WAController:
         new_id = np.full(len(self._fine), -1, dtype=np.intp)
         new_id[keep] = np.arange(len(keep))
         self.finest_retired += len(self._fine) - len(keep)
+        cut_before = {key: self._cut_counts(key) for key in self._drift}
         self._fine = [self._fine[f] for f in keep]
         self._fine_ids = {comps: i for i, comps in enumerate(self._fine)}
-        self.estimators = [self.estimators[f] for f in keep]
         self._fine_used_at = [used_at[f] for f in keep]
         self._bank.keep(keep)
         self.tracker.renumber(new_id)
@@ -310,6 +316,12 @@ class WAController:
             self._labels[key] = ([], {}, [], [])
             new_names, _ = self._key_labels(key)
             self._labels[key][3][:] = [counts.get(name, 0.0) for name in new_names]
+        for key, before in cut_before.items():
+            drift = self._drift[key]
+            after = self._cut_counts(key)
+            for name, counts in before.items():
+                drift.rescale(name, counts, after.get(name, np.zeros_like(counts)))
+            drift.retain(self._labels[key][0])
         for cand in self.candidates.values():
             labels = self._labels.get(cand.key) if isinstance(cand.key, FeatureKey) else None
             if labels is not None:  # a retired class's warm-started fit goes too
@@ -317,16 +329,28 @@ class WAController:
                 for name in [n for n in cand.fits if n not in live]:
                     del cand.fits[name]
 
+    def _cut_counts(self, key: FeatureKey) -> dict[str, np.ndarray]:
+        """The pooled counts, now, of each of ``key``'s classes that a drift cut."""
+        names, labels = self._key_labels(key)
+        out = {}
+        for name in self._drift[key].cut_classes():
+            if name in names:
+                out[name] = self._bank.sum_rows(np.flatnonzero(labels == names.index(name)))
+        return out
+
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
-        """The reuses one lookup found in a finest class (see ``ReuseEstimator.update_many``)."""
-        self._found.append(fid)
+        """The reuses one lookup found in a finest class: observations now,
+        lookup counts and drift detection per key in :meth:`_count_lookup`."""
+        self._found.append((fid, gaps))
         self._fine_touched.add(fid)
-        if self.estimators[fid].update_many(gaps):
-            self.drift_events.append({"time": t, "class": FINEST.name_of(self._fine[fid])})
+        row = self._bank.rows[fid]
+        for g in gaps:
+            row.add_event(g)
+        row.groups += 1.0
 
     def _on_censored(self, fid: int, exposure: float) -> None:
         self._fine_touched.add(fid)
-        self.estimators[fid].censor(exposure)
+        self._bank.rows[fid].add_censored(exposure)
 
     def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
         comps = FINEST.components(request, position, reuse_count)
@@ -368,6 +392,7 @@ class WAController:
         tracker = self.tracker
         shadows = self._shadows
         record = self.tuner.record
+        evicted = 0
         for ev in events:
             kind = ev.kind
             if kind == EventKind.FREED:
@@ -375,11 +400,13 @@ class WAController:
                 tracker.freed(ev.block_hash, self._fine_id(comps), ev.time)
             elif kind == EventKind.EVICTED:
                 tracker.evicted(ev.block_hash, ev.time)
+                evicted += 1
+                last_evicted = ev.time
             elif kind == EventKind.LOOKUP:
                 self._found.clear()  # what a failed lookup left is not this one's
                 tracker.looked_up(ev.hashes, ev.time)
                 if self._found:
-                    self._count_lookup(self._found)
+                    self._count_lookup(self._found, ev.time)
                 hs, real = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
                     # The same sampled request in every miniature cache: paired evidence.
@@ -394,6 +421,8 @@ class WAController:
                     tracker.refile(h, ev.freed_at, self._fine_id(self._finest(ev.request, pos, reuse)))
                 for s in shadows:
                     s.reclassify(ev.request, ev.time)
+        if evicted:
+            self.tuner.evicted(last_evicted, evicted)
         self.events_processed += len(events)
 
     # ---- the job ----------------------------------------------------------------------------
@@ -412,13 +441,15 @@ class WAController:
 
     def _refit(self, now: float) -> None:
         self.process(self.sink.drain())
-        if self._last_forget is not None and self.estimators:
+        if self._last_forget is not None and len(self._bank):
             # A clock that steps back forgets nothing until it is past its last forget again.
             factor = forgetting_factor(max(0.0, now - self._last_forget), self.config.memory_s)
             if factor < 1.0:
                 self._bank.decay(factor)
                 for _, _, _, groups in self._labels.values():
                     groups[:] = [g * factor for g in groups]
+                for drift in self._drift.values():
+                    drift.decay(factor)
         self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
         self.tracker.expire(now)
         self._retire_fine(now)
@@ -489,14 +520,27 @@ class WAController:
             labels.append(i)
         return names, np.array(labels, dtype=np.intp)
 
-    def _count_lookup(self, fids: list[int]) -> None:
-        """One lookup found reuses in finest classes ``fids``: one group for each class of each key."""
-        top = max(fids)
-        for key, (_, _, labels, groups) in self._labels.items():
+    def _count_lookup(self, found: list[tuple[int, list[float]]], t: float) -> None:
+        """One lookup found reuses in these finest classes (with their gaps):
+        for each class of each key, one lookup counted and one value for its
+        drift detector; a detection forgets in that key's view only."""
+        top = max(fid for fid, _ in found)
+        for key, (names, _, labels, groups) in self._labels.items():
             if top >= len(labels):
                 self._key_labels(key)
-            for i in {labels[f] for f in fids}:
+            by_class: dict[int, list[float]] = {}
+            for fid, gaps in found:
+                by_class.setdefault(labels[fid], []).extend(gaps)
+            drift = self._drift.get(key)
+            if drift is None:
+                drift = self._drift[key] = ClassDrift(self.config.drift_delta, self.config.drift_forget)
+            for i, gaps in by_class.items():
                 groups[i] += 1.0
+                if drift.update(names[i], gaps):
+                    rows = np.flatnonzero(np.asarray(labels) == i)
+                    drift.cut(names[i], self._bank.sum_rows(rows))
+                    groups[i] *= drift.forget
+                    self.drift_events.append({"time": t, "key": key.name, "class": names[i]})
 
     def _class_data(self, key: ClassKey, at_risk: AtRisk) -> dict[str, SurvivalData]:
         """The observations of each class of ``key``: its finest classes pooled,
@@ -508,9 +552,12 @@ class WAController:
         counted = self._labels.get(key) if isinstance(key, FeatureKey) else None
         if counted is not None:
             for d, g in zip(data, counted[3]):
-                # At most the finest classes' sum: a drift forgets a finest
-                # class's lookups, which this key's count cannot single out.
+                # At most the finest classes' sum (a retired finest class
+                # takes its lookups along; the key keeps its count by name).
                 d.groups = min(g, d.groups)
+        drift = self._drift.get(key) if isinstance(key, FeatureKey) else None
+        if drift is not None:
+            data = [drift.view(name, d) for name, d in zip(names, data)]
         return dict(zip(names, data))
 
     def _learn_key(self, cand: Candidate, at_risk: AtRisk) -> dict[str, SurvivalData]:
@@ -743,7 +790,7 @@ class WAController:
         ckpt = Checkpoint(
             self.active,
             self.params,
-            tuple((comps, self.estimators[fid].data) for fid, comps in enumerate(self._fine)),
+            tuple(zip(self._fine, self._bank.rows)),
             # The tuner's findings, then those a restart read and did not apply
             # (the check off, or a candidate not configured now), so they are kept.
             tuple({**self._unapplied_overstated, **self.tuner.overstated}.items()),
@@ -768,7 +815,7 @@ class WAController:
         if ckpt is None:
             return False
         for comps, d in ckpt.classes:
-            row = self.estimators[self._fine_id(comps)].data
+            row = self._bank.rows[self._fine_id(comps)]
             row.events[:] = d.events
             row.censored[:] = d.censored
             row.groups = d.groups
@@ -778,7 +825,7 @@ class WAController:
             _, labels = self._key_labels(key)
             groups[:] = [0.0] * len(names)
             for fid, label in enumerate(labels.tolist()):
-                groups[label] += self.estimators[fid].data.groups
+                groups[label] += self._bank.rows[fid].groups
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it, against
         # the bar the real-cache check raised for it (unless the check is now

@@ -1,15 +1,15 @@
 """Per-class reuse estimators, river-style: ``update`` / ``censor`` / ``get``.
 
-Each finest class keeps binned, exponentially forgotten, censored
-observations (:class:`SurvivalData`): a free block reused after ``gap``
-seconds is ``update(gap)``; one we stopped watching after ``exposure``
-seconds without a reuse is ``censor(exposure)``.  A river ``ADWIN`` detector
-watches the log reuse gaps; when it fires, the class's memory is shortened,
-so a shift in traffic is forgotten in minutes instead of the configured
-memory.  :func:`pooled` sums classes for a coarser key; a controller keeps
-its classes' data as rows of a :class:`SurvivalBank`, which forgets and pools
-them all at once.  :class:`ModelFit` fits a pooled class's reuse model,
-warm-started, and only when its data moved.
+Each class keeps binned, exponentially forgotten, censored observations
+(:class:`SurvivalData`): a free block reused after ``gap`` seconds is
+``update(gap)``; one we stopped watching after ``exposure`` seconds without
+a reuse is ``censor(exposure)``.  A :class:`ReuseEstimator` is one such class
+with its own drift detector (:class:`~.class_drift.LookupDrift`); a
+controller keeps its finest classes' data as rows of a
+:class:`SurvivalBank`, which forgets and pools them all at once, and detects
+drift per class of each key instead (:mod:`.class_drift`).
+:func:`pooled` sums classes for a coarser key.  :class:`ModelFit` fits a
+pooled class's reuse model, warm-started, and only when its data moved.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from river import drift
 
+from vllm_wa.controller.class_drift import LookupDrift
 from vllm_wa.controller.survival import (
     NUM_BINS,
     SurvivalData,
@@ -48,9 +48,8 @@ def forgetting_factor(elapsed_s: float, memory_s: float) -> float:
 class ReuseEstimator:
     """Censored reuse statistics of one class, with drift detection.
 
-    Aging the statistics with time is the owner's: a controller forgets all
-    its classes at once (:meth:`SurvivalBank.decay` by
-    :func:`forgetting_factor`); a drift cuts one class's memory here.
+    Aging the statistics with time is the owner's (:func:`forgetting_factor`);
+    a drift cuts the class's memory here.
 
     >>> est = ReuseEstimator()
     >>> for gap in (2.0, 3.0, 5.0, 4.0):
@@ -64,12 +63,14 @@ class ReuseEstimator:
     drift_delta: float = 0.002
     drift_forget: float = 0.25
     data: SurvivalData = field(default_factory=SurvivalData)
-    # Detections so far: river 0.26's ``ADWIN.n_detections`` stays 0 after a
-    # detection (checked), so they are counted here.
-    drifts: int = 0
 
     def __post_init__(self) -> None:
-        self._adwin = drift.ADWIN(delta=self.drift_delta)
+        self._drift = LookupDrift(self.drift_delta)
+
+    @property
+    def drifts(self) -> int:
+        """Detections so far."""
+        return self._drift.drifts
 
     def update(self, gap: float) -> bool:
         """A reuse after ``gap`` seconds.  Returns True when the drift detector
@@ -77,24 +78,15 @@ class ReuseEstimator:
         return self.update_many((gap,))
 
     def update_many(self, gaps: Sequence[float]) -> bool:
-        """Reuses of several blocks found by one prompt lookup.
-
-        Every gap is an observation, but the drift detector sees one value
-        per lookup (the median log gap): a prompt brings back hundreds of
-        blocks freed together, and fed one by one those identical gaps look
-        like a change of distribution to ADWIN, which then keeps cutting
-        the class's memory (measured: -12% of the LRU-to-Belady gap instead
-        of +14% on the agentic split).
-        """
+        """Reuses of several blocks found by one prompt lookup (the detector
+        sees one value for them: :class:`~.class_drift.LookupDrift`)."""
         if not gaps:
             return False
-        logs = sorted(math.log1p(_seconds("gap", g)) for g in gaps)
+        gaps = [_seconds("gap", g) for g in gaps]
         for g in gaps:
             self.data.add_event(g)
         self.data.groups += 1.0
-        self._adwin.update(logs[len(logs) // 2])
-        if self._adwin.drift_detected:
-            self.drifts += 1
+        if self._drift.update(gaps):
             self.data.decay(self.drift_forget)
             return True
         return False
@@ -153,6 +145,10 @@ class SurvivalBank:
         self.rows = kept
         for j, d in enumerate(kept):
             d.events, d.censored = self._counts[j, 0], self._counts[j, 1]
+
+    def sum_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The (events, censored) counts of ``rows`` summed, shape ``(2, NUM_BINS)``."""
+        return self._counts[rows].sum(axis=0) if len(rows) else np.zeros((2, NUM_BINS))
 
     def decay(self, factor: float) -> None:
         """``SurvivalData.decay(factor)`` of every row."""
