@@ -161,10 +161,49 @@ def _crafted(saved_data) -> list:
         json.dumps({**good, "overstated": {"x" * 1000: 0.1}}),
         json.dumps({**good, "overstated": {f"c{i}": 0.1 for i in range(1000)}}),
         '{"version": 2, "classes": [], "params": {"a": {}, "p": {}}, "overstated": {"c": Infinity}}',
+        # What drifts forgot: a key of distinct features, a class name, counts.
+        json.dumps({**good, "drift_cuts": {"not": "a list"}}),
+        json.dumps({**good, "drift_cuts": [{"key": ["tag", "tag"], "class": "c", "data": _class_entry([])["data"]}]}),
+        json.dumps({**good, "drift_cuts": [{"key": ["colour"], "class": "c", "data": _class_entry([])["data"]}]}),
+        json.dumps({**good, "drift_cuts": [{"key": ["tag"], "class": "", "data": _class_entry([])["data"]}]}),
+        json.dumps({**good, "drift_cuts": [{"key": ["tag"], "class": "x" * 1000, "data": _class_entry([])["data"]}]}),
+        json.dumps({**good, "drift_cuts": [{"key": ["tag"], "class": "c", "data": {"events": [-1] * NUM_BINS,
+                                                                                 "censored": [0] * NUM_BINS}}]}),
+        json.dumps({**good, "drift_cuts": [{"key": ["tag"], "class": "c", "data": _class_entry([])["data"]}] * 2}),
+        json.dumps({**good, "drift_cuts": [{"key": ["tag"], "class": f"c{i}", "data": _class_entry([])["data"]}
+                                           for i in range(6000)]}),
         json.dumps([1, 2, 3]),
         json.dumps(None),
         '{"version": 2, "classes": [], "params": {"a": {}, "p": {}, "L": NaN}}',
     ]
+
+
+def test_a_restart_keeps_what_drifts_forgot(tmp_path):
+    """A drift cuts a key's class in that key's view only; the finest classes
+    are never cut, so the checkpoint keeps the cut, and a restarted
+    controller pools each key's classes as before the restart."""
+    clock = [0.0]
+    c = controller(lambda: clock[0])
+    clock[0] = feed(c.sink, 0.0)
+    c.refit()
+    key = next(k for k in c._drift if k.features == ("tag", "outcome"))
+    c._drift[key].update = lambda name, gaps: True  # its next lookups' classes are cut
+    clock[0] = feed(c.sink, clock[0])
+    c.refit()
+    assert c._drift[key].cut_classes()
+    path = tmp_path / "ckpt.json"
+    assert c.save_checkpoint(str(path))
+    assert json.loads(path.read_text())["drift_cuts"]
+    fresh = controller(lambda: clock[0])
+    assert fresh.load_checkpoint(str(path))
+    for k in c._labels:
+        before, after = c._class_data(k, None), fresh._class_data(k, None)
+        assert before.keys() == after.keys()
+        for name in before:
+            assert after[name].events.tolist() == pytest.approx(before[name].events.tolist())
+            assert after[name].censored.tolist() == pytest.approx(before[name].censored.tolist())
+    cut = c._class_data(key, None)
+    assert sum(d.n_events for d in cut.values()) < sum(row.n_events for row in c._bank.rows)
 
 
 def test_crafted_checkpoints_give_the_prior_and_a_warning(saved, tmp_path, caplog):

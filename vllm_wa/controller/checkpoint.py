@@ -13,7 +13,9 @@ Format (JSON)::
     {"version": 2, "active": "<candidate>", "params": <PR JSON, with "version">,
      "classes": [{"components": [tag, outcome, depth, reuse, think, reply, growth, turn],
                   "data": {"events": [...], "censored": [...]}}, ...],
-     "overstated": {"<candidate>": <hit-rate points as a fraction>, ...}}
+     "overstated": {"<candidate>": <hit-rate points as a fraction>, ...},
+     "drift_cuts": [{"key": [feature, ...], "class": "<class name>",
+                     "data": {"events": [...], "censored": [...]}}, ...]}
 
 (components are the finest class's bucketed features, ``"u"`` for an
 unknown timing feature, ``"*"`` for a feature no candidate uses).
@@ -22,7 +24,10 @@ it still reads the file) is what the real-cache check found each demoted
 candidate's miniature cache to overstate (``Tuner.overstated``): a restart
 keeps it, so the candidate is not promoted again on the same overstated
 lead.  It does not fade with time; a later real-check demotion of the same
-candidate replaces it.
+candidate replaces it.  ``drift_cuts`` (optional, left out while empty) is
+what each key's drift detections forgot of its classes
+(:class:`~.class_drift.ClassDrift`): the finest classes' data is never cut,
+so without it a restart would bring back what a drift forgot.
 
 The parameter version lives in ``params.version``; a restart continues from it.
 """
@@ -61,7 +66,9 @@ MAX_BIN_COUNT = 1e12
 # Far above any candidate set (the defaults are ten); a longer map is a damaged file.
 MAX_OVERSTATED = 256
 MAX_CANDIDATE_NAME = 256
-_KEYS = {"version", "active", "params", "classes", "overstated"}
+# A key's class name: a tag and a bucket per further feature (about 100 characters at most).
+MAX_KEY_CLASS_NAME = 512
+_KEYS = {"version", "active", "params", "classes", "overstated", "drift_cuts"}
 _OUTCOMES = (*OUTCOMES, "unknown")
 Components = tuple[Any, ...]
 
@@ -79,6 +86,8 @@ class Checkpoint:
     classes: tuple[tuple[Components, SurvivalData], ...]
     # (candidate, overstatement) pairs: see the module doc.
     overstated: tuple[tuple[str, float], ...] = ()
+    # (key features, class name, what its drifts forgot) triples: see the module doc.
+    drift_cuts: tuple[tuple[tuple[str, ...], str, SurvivalData], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +96,15 @@ class Checkpoint:
             "params": self.params.to_pr_json(),
             "classes": [{"components": list(comps), "data": data.state()} for comps, data in self.classes],
             **({"overstated": dict(self.overstated[:MAX_OVERSTATED])} if self.overstated else {}),
+            **(
+                {
+                    "drift_cuts": [
+                        {"key": list(key), "class": name, "data": data.state()} for key, name, data in self.drift_cuts
+                    ]
+                }
+                if self.drift_cuts
+                else {}
+            ),
         }
 
 
@@ -146,6 +164,35 @@ def _overstated(raw: Any) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def _drift_cuts(raw: Any, max_cuts: int) -> tuple[tuple[tuple[str, ...], str, SurvivalData], ...]:
+    """Keys (distinct feature names), class names and the counts their drifts forgot."""
+    if not isinstance(raw, list):
+        raise CheckpointError("'drift_cuts' must be a list")
+    if len(raw) > max_cuts:
+        raise CheckpointError(f"'drift_cuts' has {len(raw)} entries; at most {max_cuts}")
+    out = []
+    seen: set[tuple[tuple[str, ...], str]] = set()
+    for i, entry in enumerate(raw):
+        where = f"drift_cuts[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"key", "class", "data"}:
+            raise CheckpointError(f"{where} must be an object with 'key', 'class' and 'data'")
+        key = entry["key"]
+        if (
+            not isinstance(key, list)
+            or not all(isinstance(f, str) and f in FEATURES for f in key)
+            or len(set(key)) != len(key)
+        ):
+            raise CheckpointError(f"{where}.key must be a list of distinct names from {FEATURES}")
+        name = entry["class"]
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_KEY_CLASS_NAME:
+            raise CheckpointError(f"{where}.class must be a name of 1-{MAX_KEY_CLASS_NAME} characters")
+        if (tuple(key), name) in seen:
+            raise CheckpointError(f"{where} repeats a key's class")
+        seen.add((tuple(key), name))
+        out.append((tuple(key), name, _survival(entry["data"], where)))
+    return tuple(out)
+
+
 def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
     """Validate a decoded checkpoint completely; raises :class:`CheckpointError`."""
     if not isinstance(data, dict):
@@ -183,7 +230,9 @@ def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
         # A restart continues from it: it must leave room for the swaps to come.
         raise CheckpointError(f"params.version {params.version} leaves no room for new versions (at most {MAX_RESTORED_VERSION})")
     overstated = _overstated(data["overstated"]) if "overstated" in data else ()
-    return Checkpoint(active, params, tuple(classes), overstated)
+    # A key's classes are unions of finest classes: at most as many cuts per key.
+    cuts = _drift_cuts(data["drift_cuts"], max_classes) if "drift_cuts" in data else ()
+    return Checkpoint(active, params, tuple(classes), overstated, cuts)
 
 
 def read_checkpoint(path: str, *, max_classes: int) -> Checkpoint | None:

@@ -113,6 +113,15 @@ class ClassDrift:
     def cut_classes(self) -> list[str]:
         return list(self._cuts)
 
+    def cut_of(self, name: str) -> np.ndarray | None:
+        """What class ``name``'s drifts forgot, as (events, censored) counts (a copy)."""
+        held = self._cuts.get(name)
+        return None if held is None else held.copy()
+
+    def restore(self, name: str, counts: np.ndarray) -> None:
+        """Set class ``name``'s cut (a checkpoint's), at most its pooled ``counts`` now."""
+        self._cuts[name] = np.asarray(counts, dtype=float).reshape(2, NUM_BINS).copy()
+
     def rescale(self, name: str, before: np.ndarray, after: np.ndarray) -> None:
         """Class ``name``'s pooled counts went from ``before`` to ``after``
         (finest classes retired): its cut shrinks in proportion, bin by bin."""

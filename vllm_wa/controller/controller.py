@@ -794,6 +794,7 @@ class WAController:
             # The tuner's findings, then those a restart read and did not apply
             # (the check off, or a candidate not configured now), so they are kept.
             tuple({**self._unapplied_overstated, **self.tuner.overstated}.items()),
+            self._saved_cuts(),
         )
         try:
             write_checkpoint(path, ckpt)
@@ -801,6 +802,16 @@ class WAController:
             self.checkpoint_failures.record(path, e)
             return False
         return True
+
+    def _saved_cuts(self) -> tuple[tuple[tuple[str, ...], str, SurvivalData], ...]:
+        """What each key's drifts forgot, per class (at most a checkpoint's worth)."""
+        out = []
+        for key, drift in self._drift.items():
+            for name in drift.cut_classes():
+                held = drift.cut_of(name)
+                if held is not None:
+                    out.append((key.features, name, SurvivalData(held[0], held[1])))
+        return tuple(out[:CHECKPOINT_MAX_CLASSES])
 
     def load_checkpoint(self, path: str) -> bool:
         """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
@@ -826,6 +837,18 @@ class WAController:
             groups[:] = [0.0] * len(names)
             for fid, label in enumerate(labels.tolist()):
                 groups[label] += self._bank.rows[fid].groups
+        # What earlier drifts forgot, for the keys and classes configured now,
+        # at most each class's data as restored.
+        for features, name, d in ckpt.drift_cuts:
+            key = FeatureKey(features)
+            if key not in self._labels:
+                continue
+            names, labels = self._key_labels(key)
+            if name not in names:
+                continue
+            pooled_now = self._bank.sum_rows(np.flatnonzero(labels == names.index(name)))
+            drift = self._drift.setdefault(key, ClassDrift(self.config.drift_delta, self.config.drift_forget))
+            drift.restore(name, np.minimum(np.stack((d.events, d.censored)), pooled_now))
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it, against
         # the bar the real-cache check raised for it (unless the check is now
