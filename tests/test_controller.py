@@ -12,6 +12,7 @@ import pytest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 
+from vllm_wa.controller.class_drift import LookupDrift
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, forgetting_factor, pooled
@@ -1141,3 +1142,17 @@ def test_the_sample_salt_reaches_the_event_sink_and_is_checked():
     for bad in (-1, 1 << 64, 0.5, True, "1"):
         with pytest.raises(ConfigError, match="sample_salt"):
             ControllerConfig.from_dict({"controller": {"sample_salt": bad}})
+
+
+def test_a_drift_detector_takes_odd_gaps_without_failing():
+    """Gaps from a clock that stepped back (negative) or not numbers at all
+    reach the detector as a reuse at once, or not at all: never an error
+    that would stop the refit, never a NaN inside ADWIN."""
+    drift = LookupDrift()
+    for _ in range(50):
+        assert drift.update([-5.0, 1.0, 2.0]) is False
+    assert drift.update([math.nan, math.inf]) is False
+    assert drift.update([]) is False
+    for _ in range(200):  # and a real shift is still seen
+        drift.update([600.0, 700.0])
+    assert drift.drifts >= 1

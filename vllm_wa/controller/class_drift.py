@@ -49,9 +49,11 @@ class LookupDrift:
 
     def update(self, gaps: Sequence[float]) -> bool:
         """The gaps (s) of the blocks one lookup brought back; True when the detector fired."""
-        if not gaps:
+        # A clock that stepped back gives a negative gap: as the observations
+        # bin it, a reuse at once; a value that is not a number is left out.
+        logs = sorted(math.log1p(max(0.0, g)) for g in gaps if math.isfinite(g))
+        if not logs:
             return False
-        logs = sorted(math.log1p(g) for g in gaps)
         self._adwin.update(logs[len(logs) // 2])
         if self._adwin.drift_detected:
             self.drifts += 1
