@@ -36,6 +36,7 @@ from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import (
     EventKind,
     EventSink,
+    EvictedEvent,
     FinishedEvent,
     FreedEvent,
     LookupEvent,
@@ -1156,3 +1157,41 @@ def test_a_drift_detector_takes_odd_gaps_without_failing():
     for _ in range(200):  # and a real shift is still seen
         drift.update([600.0, 700.0])
     assert drift.drifts >= 1
+
+
+def test_a_pin_or_an_unpin_restarts_the_real_cache_checks_turnover():
+    """The real-cache check waits for a turnover after anything changes what
+    the real cache runs: a tuner switch, and also an operator's pin and unpin
+    (no switch). While pinned, the real cache's hits are not checked against
+    the tuner's candidate, which is not what runs."""
+    sink = EventSink(capacity=1 << 16)
+    now = [0.0]
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: now[0])
+    c.refit()  # the first swap: the initial candidate, checked from the start
+    assert c.tuner.active != "lru" and c.tuner.real_check_since == -math.inf
+
+    def evict(n: int) -> None:
+        for i in range(n):
+            sink.emit(EvictedEvent(EventKind.EVICTED, now[0], ("e", now[0], i)))
+
+    now[0] = 10.0
+    c.pin(WAParams.from_pr_json({"a": {"x": 0.5}, "p": {"x": 0.5}}), ("tag",))
+    c.refit()
+    assert c.tuner.real_check_since == math.inf
+    before = c.tuner.calibration.totals.get(c.tuner.active)
+    req = RequestTags("r", "chat", "stop")
+    sink.emit(FreedEvent(EventKind.FREED, 11.0, ("h", 0), req, 0, 0))
+    sink.emit(LookupEvent(EventKind.LOOKUP, 12.0, "n", "chat", (("h", 0),), (), 1))
+    now[0] = 20.0
+    evict(200)  # a turnover of the 200 sampled blocks, under the pin
+    c.refit()
+    assert c.tuner.calibration.totals.get(c.tuner.active) == before  # the pin's hits checked nothing
+    assert c.tuner.real_check_since == 20.0
+    now[0] = 30.0
+    c.unpin()
+    c.refit()
+    assert c.tuner.real_check_since == math.inf  # the candidate runs again: a new turnover
+    now[0] = 40.0
+    evict(200)
+    c.refit()
+    assert c.tuner.real_check_since == 40.0

@@ -27,7 +27,9 @@ lead.  It does not fade with time; a later real-check demotion of the same
 candidate replaces it.  ``drift_cuts`` (optional, left out while empty) is
 what each key's drift detections forgot of its classes
 (:class:`~.class_drift.ClassDrift`): the finest classes' data is never cut,
-so without it a restart would bring back what a drift forgot.
+so without it a restart would bring back what a drift forgot.  A build
+from before this field refuses a file that has it (unknown key) and starts
+from the prior.
 
 The parameter version lives in ``params.version``; a restart continues from it.
 """

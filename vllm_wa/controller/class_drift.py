@@ -26,6 +26,9 @@ from river import drift
 
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData
 
+# A cut this small (in observations, all bins) changes no fit: it is dropped.
+_NEGLIGIBLE = 1e-6
+
 
 @dataclass
 class LookupDrift:
@@ -99,9 +102,12 @@ class ClassDrift:
         self._cuts[name] = held + (1.0 - self.forget) * (counts - held)
 
     def decay(self, factor: float) -> None:
-        """Age the cuts as the observations they were taken from age."""
-        for held in self._cuts.values():
+        """Age the cuts as the observations they were taken from age (a cut
+        aged to nothing is dropped)."""
+        for name, held in list(self._cuts.items()):
             held *= factor
+            if held.sum() < _NEGLIGIBLE:
+                del self._cuts[name]
 
     def view(self, name: str, data: SurvivalData) -> SurvivalData:
         """``data`` (class ``name`` pooled) less what its drifts forgot."""

@@ -234,6 +234,9 @@ class WAController:
         self._applied_key: ClassKey | None = None
         self._applied_candidate: str | None = None
         self._swap_lock = threading.Lock()
+        # When a swap last changed the candidate the live queue runs (None:
+        # not since the last refit); the refit restarts the real-cache check.
+        self._real_cache_changed: float | None = None
         self.version = 0
         self.refits = 0
         self.swaps = 0
@@ -409,7 +412,11 @@ class WAController:
                     self._count_lookup(self._found, ev.time)
                 hs, real = self._shadow_hashes(ev)
                 if hs and not shadows[0].cache.holds(ev.request_id):
-                    # The same sampled request in every miniature cache: paired evidence.
+                    # The same sampled request in every miniature cache: paired
+                    # evidence. While pinned the real cache runs the pin, not
+                    # the tuner's candidate: its hits check nothing.
+                    if self.pinned is not None:
+                        real = None
                     record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows], real)
             elif kind == EventKind.FINISHED:
                 for s in shadows:
@@ -481,6 +488,10 @@ class WAController:
         else:
             self.tuner.account(now)  # the fixed candidate's time still counts
         self._swap(now)
+        with self._swap_lock:
+            changed, self._real_cache_changed = self._real_cache_changed, None
+        if changed is not None:
+            self.tuner.restart_real_check(changed)
         self.refits += 1
         self.last_refit = now
         if self.publish:
@@ -646,6 +657,11 @@ class WAController:
             self.version = params.version
             self.params = params
             self._applied_key = key
+            if self.swaps and name != self._applied_candidate:
+                # What the real cache runs changed (a switch, a pin, an
+                # unpin): the real-cache check waits for a turnover again.
+                # (The first swap changes nothing: the cache starts cold.)
+                self._real_cache_changed = now
             self._applied_candidate = name
             self.swaps += 1
             self.last_swap = now
@@ -750,7 +766,8 @@ class WAController:
                 }
                 for name, (rate, lookups) in rates.items()
             ],
-            "drift_events": list(self.drift_events),
+            "drift_events": list(self.drift_events),  # the last 50
+            "drifts": {key.name: d.drifts for key, d in self._drift.items()},
             "switches": tuner["switches"],
             "promotions": tuner["promotions"],
             "demotions": tuner["demotions"],
@@ -807,10 +824,17 @@ class WAController:
         """What each key's drifts forgot, per class (at most a checkpoint's worth)."""
         out = []
         for key, drift in self._drift.items():
+            names, labels = self._key_labels(key)
+            counted = self._labels[key][3]
             for name in drift.cut_classes():
                 held = drift.cut_of(name)
-                if held is not None:
-                    out.append((key.features, name, SurvivalData(held[0], held[1])))
+                if held is None or name not in names:
+                    continue
+                # The lookups forgot too: the finest rows' sum less the key's count.
+                i = names.index(name)
+                rows = np.flatnonzero(labels == i)
+                lookups = sum(self._bank.rows[f].groups for f in rows.tolist())
+                out.append((key.features, name, SurvivalData(held[0], held[1], max(0.0, lookups - counted[i]))))
         return tuple(out[:CHECKPOINT_MAX_CLASSES])
 
     def load_checkpoint(self, path: str) -> bool:
@@ -846,9 +870,12 @@ class WAController:
             names, labels = self._key_labels(key)
             if name not in names:
                 continue
-            pooled_now = self._bank.sum_rows(np.flatnonzero(labels == names.index(name)))
+            i = names.index(name)
+            pooled_now = self._bank.sum_rows(np.flatnonzero(labels == i))
             drift = self._drift.setdefault(key, ClassDrift(self.config.drift_delta, self.config.drift_forget))
             drift.restore(name, np.minimum(np.stack((d.events, d.censored)), pooled_now))
+            counted = self._labels[key][3]
+            counted[i] = max(0.0, counted[i] - d.groups)
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it, against
         # the bar the real-cache check raised for it (unless the check is now

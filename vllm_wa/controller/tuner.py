@@ -306,8 +306,8 @@ class Tuner:
         self.hits = PairedHits(self.names, s.batch_s, max(s.window_s, s.demote_window_s))
         self.calibration = Calibration(max(s.window_s, s.demote_window_s), s.batch_s)
         # Candidates a real-cache check demoted: by how much their miniature
-        # cache overstated them over their last window of running (added to
-        # their promotion and replacement margins).
+        # cache overstated them while they ran, from when the check counted
+        # (added to their promotion and replacement margins).
         self.overstated: dict[str, float] = {}
         self.active = self.initial
         self.active_since = -math.inf
@@ -362,6 +362,11 @@ class Tuner:
         self._evicted_since_switch += blocks
         if self._evicted_since_switch >= self._turnover_blocks:
             self.real_check_since = t
+
+    def restart_real_check(self, now: float) -> None:
+        """What the real cache runs changed at ``now``: the check waits for a turnover again."""
+        self._evicted_since_switch = 0
+        self.real_check_since = now if self._turnover_blocks <= 0 else math.inf
 
     def _promotion(self, now: float) -> tuple[str, Comparison, float] | None:
         s = self.settings
@@ -510,8 +515,7 @@ class Tuner:
         self.switches.append(sw)
         self.active = to
         self.active_since = now
-        self._evicted_since_switch = 0
-        self.real_check_since = now if self._turnover_blocks <= 0 else math.inf
+        self.restart_real_check(now)
         return sw
 
     def state(self, now: float) -> dict[str, Any]:

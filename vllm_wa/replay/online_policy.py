@@ -95,7 +95,7 @@ class OnlineWAPolicy(ReplayPolicy):
             "refits": st["refits"],
             "errors": st["errors"],
             "events_dropped": st["events_dropped"],
-            "drift_events": len(st["drift_events"]),
+            "drifts": sum(st["drifts"].values()),
             "finest_classes": st["finest_classes"],
             # Per candidate that ran, over the whole run: the real cache's hit
             # rate on the sampled blocks beside the candidate's prediction.
