@@ -121,10 +121,9 @@ class ClassDrift:
     def cut_classes(self) -> list[str]:
         return list(self._cuts)
 
-    def cut_of(self, name: str) -> np.ndarray | None:
-        """What class ``name``'s drifts forgot, as (events, censored) counts (a copy)."""
-        held = self._cuts.get(name)
-        return None if held is None else held.copy()
+    def cuts(self) -> dict[str, np.ndarray]:
+        """What each cut class's drifts forgot, as (events, censored) counts (copies)."""
+        return {name: held.copy() for name, held in self._cuts.items()}
 
     def restore(self, name: str, counts: np.ndarray) -> None:
         """Set class ``name``'s cut (a checkpoint's), at most its pooled ``counts`` now."""

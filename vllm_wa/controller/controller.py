@@ -334,12 +334,20 @@ class WAController:
 
     def _cut_counts(self, key: FeatureKey) -> dict[str, np.ndarray]:
         """The pooled counts, now, of each of ``key``'s classes that a drift cut."""
-        names, labels = self._key_labels(key)
+        _, labels = self._key_labels(key)
+        index = self._labels[key][1]
         out = {}
         for name in self._drift[key].cut_classes():
-            if name in names:
-                out[name] = self._bank.sum_rows(np.flatnonzero(labels == names.index(name)))
+            if name in index:
+                out[name] = self._bank.sum_rows(np.flatnonzero(labels == index[name]))
         return out
+
+    def _drift_of(self, key: FeatureKey) -> ClassDrift:
+        """``key``'s drift detectors (made at its first lookup with reuses, or restore)."""
+        drift = self._drift.get(key)
+        if drift is None:
+            drift = self._drift[key] = ClassDrift(self.config.drift_delta, self.config.drift_forget)
+        return drift
 
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
         """The reuses one lookup found in a finest class: observations now,
@@ -542,9 +550,7 @@ class WAController:
             by_class: dict[int, list[float]] = {}
             for fid, gaps in found:
                 by_class.setdefault(labels[fid], []).extend(gaps)
-            drift = self._drift.get(key)
-            if drift is None:
-                drift = self._drift[key] = ClassDrift(self.config.drift_delta, self.config.drift_forget)
+            drift = self._drift_of(key)
             for i, gaps in by_class.items():
                 groups[i] += 1.0
                 if drift.update(names[i], gaps):
@@ -824,14 +830,13 @@ class WAController:
         """What each key's drifts forgot, per class (at most a checkpoint's worth)."""
         out = []
         for key, drift in self._drift.items():
-            names, labels = self._key_labels(key)
-            counted = self._labels[key][3]
-            for name in drift.cut_classes():
-                held = drift.cut_of(name)
-                if held is None or name not in names:
+            _, labels = self._key_labels(key)
+            index, counted = self._labels[key][1], self._labels[key][3]
+            for name, held in drift.cuts().items():
+                i = index.get(name)
+                if i is None:
                     continue
                 # The lookups forgot too: the finest rows' sum less the key's count.
-                i = names.index(name)
                 rows = np.flatnonzero(labels == i)
                 lookups = sum(self._bank.rows[f].groups for f in rows.tolist())
                 out.append((key.features, name, SurvivalData(held[0], held[1], max(0.0, lookups - counted[i]))))
@@ -867,13 +872,12 @@ class WAController:
             key = FeatureKey(features)
             if key not in self._labels:
                 continue
-            names, labels = self._key_labels(key)
-            if name not in names:
+            _, labels = self._key_labels(key)
+            i = self._labels[key][1].get(name)
+            if i is None:
                 continue
-            i = names.index(name)
             pooled_now = self._bank.sum_rows(np.flatnonzero(labels == i))
-            drift = self._drift.setdefault(key, ClassDrift(self.config.drift_delta, self.config.drift_forget))
-            drift.restore(name, np.minimum(np.stack((d.events, d.censored)), pooled_now))
+            self._drift_of(key).restore(name, np.minimum(np.stack((d.events, d.censored)), pooled_now))
             counted = self._labels[key][3]
             counted[i] = max(0.0, counted[i] - d.groups)
         # The saved active candidate is not trusted: the tuner starts on LRU and
