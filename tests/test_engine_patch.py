@@ -547,6 +547,45 @@ def test_a_block_given_new_content_forgets_the_lookup_of_its_old_content(clock):
     assert cached and {h.queue.stamp[bid] for bid in cached} == {20.0}
 
 
+def test_a_block_freed_without_the_tagger_is_filed_as_untagged_not_by_its_old_content(clock):
+    """vLLM frees a sliding-window group's blocks that left the window while
+    the request still runs (``remove_skipped_blocks``), straight into the
+    pool: no release hook sees them.  Such a block goes to the default class,
+    stamped at that release, not to the class of the content it held before
+    it was evicted (which says nothing about it)."""
+    m = make_hybrid_manager(15, BS, sliding_window=32)  # 14 usable: two requests of 7 + 7 blocks
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
+    old = make_request("old", tokens(5000, 6), tag="chat")
+    clock.t = 10.0
+    run_prefill(m, old)
+    clock.t = 20.0
+    finish(m, old)
+    assert set(h.queue.free_blocks_by_class()) == {"chat"}
+    chat_ids = {b.block_id for b in h.queue.iter_eviction_order()}
+    long_running = make_request("long", tokens(0, 6), tag="tool")
+    clock.t = 30.0
+    run_prefill(m, long_running)  # takes (and evicts) the old request's blocks
+    assert not h.queue.free_blocks_by_class().get("chat")
+    clock.t = 40.0
+    for tok in range(BS):
+        long_running.append_output_token_ids(9000 + tok)
+    # The window moves on: its blocks before the window are freed, and one
+    # block of each group taken.
+    assert m.allocate_slots(long_running, BS) is not None
+    long_running.num_computed_tokens = long_running.num_tokens
+    left_window = list(h.queue.iter_eviction_order())
+    assert left_window and {b.block_id for b in left_window} <= chat_ids
+    assert all(b.block_hash is not None for b in left_window)
+    assert h.queue.free_blocks_by_class() == {"default": len(left_window)}
+    assert {h.queue.stamp[b.block_id] for b in left_window} == {40.0}
+    h.queue.check_invariants()
+    clock.t = 50.0
+    finish(m, long_running)  # the release files the rest as the request's
+    by_class = h.queue.free_blocks_by_class()
+    assert by_class["default"] == len(left_window) and by_class["tool"] > 0
+    h.queue.check_invariants()
+
+
 def test_set_params_rejects_bad_values_and_keeps_old(clock):
     m = make_manager(8)
     h = install_wa_queue(m.block_pool, clock=clock)

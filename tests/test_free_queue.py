@@ -247,7 +247,8 @@ def test_class_with_faster_reuse_is_kept_when_idle_is_short():
     clock.advance(1.0)
     # Within the next 5 s a 1-second-idle fast block is reused with
     # probability ~0.47, a slow block with ~0.007: the slow class goes first.
-    assert [q.block_class[b.block_id] for b in q.popleft_n(4)] == [slow] * 4
+    filed = {b.block_id: q.block_class[b.block_id] for b in got}
+    assert [filed[b.block_id] for b in q.popleft_n(4)] == [slow] * 4
     clock.advance(60.0)
     # After a minute idle, the fast class's blocks are stale: their score has
     # decayed below the slow class's, so they go before the slow class.

@@ -38,6 +38,7 @@ from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
 Clock = Callable[[], float]
 _INF = math.inf
+_NO_LOOKUP = -_INF  # lookup_time of a block no lookup has dated
 # Class heads whose log scores differ by at most this much tie, and the older
 # stamp goes first, as in LRU: two classes left to one memoryless model (its
 # score does not depend on the idle time) score alike but for the last bits
@@ -243,7 +244,8 @@ class WorkloadAwareFreeQueue:
         # the releasing request's prompt was looked up.  A request that ran
         # long (a long prefill, a long reply) then ranks by when it started,
         # as SGLang's FIFO and LRU do with their creation and match times.
-        self.lookup_time: list[float] = [0.0] * n_ids
+        # ``_NO_LOOKUP``: none since the block took its content.
+        self.lookup_time: list[float] = [_NO_LOOKUP] * n_ids
         # Per-block "events wanted" flag (hash-sampled), set by the tagger.
         self.sampled = bytearray(n_ids)
         self._last_stamp = -_INF
@@ -406,7 +408,9 @@ class WorkloadAwareFreeQueue:
         for b in blocks:
             bid = b.block_id
             c = cls_of[bid]
-            raw = min(start_of[bid], now)
+            raw = start_of[bid]
+            if raw > now or raw == _NO_LOOKUP:
+                raw = now
             if c == prev_c and raw == prev_s and prev_b is not None:
                 prev, after = prev_b, prev_b.next_free_block
             else:
@@ -561,7 +565,14 @@ class WorkloadAwareFreeQueue:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks to reuse: blocks without a hash, then lowest scores."""
+        """Take ``n`` blocks to reuse: blocks without a hash, then lowest scores.
+
+        The blocks take new content: neither the old content's class nor its
+        lookups describe them (the tagger keeps a block's latest start among
+        its users), so each is reset on the way out.  A block freed later
+        without the tagger (a sliding window's skipped blocks) is then filed
+        as an untagged request's, stamped at its release.
+        """
         if n == 0:
             return []
         assert self.num_free_blocks >= n, (
@@ -573,10 +584,14 @@ class WorkloadAwareFreeQueue:
         head, tail = self._heads[nohash], self._tails[nohash]
         b = head.next_free_block
         if b is not tail:
+            lookup_time, cls_of = self.lookup_time, self.block_class
             while n and b is not tail:
                 nxt = b.next_free_block
                 b.prev_free_block = b.next_free_block = None
                 out.append(b)
+                bid = b.block_id
+                lookup_time[bid] = _NO_LOOKUP
+                cls_of[bid] = DEFAULT_ID
                 b = nxt
                 n -= 1
             head.next_free_block = b
@@ -585,15 +600,12 @@ class WorkloadAwareFreeQueue:
                 self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
-        # The blocks take new content: the lookups of the old one no longer
-        # date them (the tagger keeps a block's latest start among its users).
-        lookup_time = self.lookup_time
-        for b in out:
-            lookup_time[b.block_id] = 0.0
         return out
 
     def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:
+        """Take ``n`` hashed blocks, lowest score first (reset as in :meth:`popleft_n`)."""
         stamp_of = self.stamp
+        lookup_time, cls_of = self.lookup_time, self.block_class
         now = self.clock()
         while n:
             forced = False
@@ -614,12 +626,20 @@ class WorkloadAwareFreeQueue:
                 nxt = b.next_free_block
                 b.prev_free_block = b.next_free_block = None
                 out.append(b)
+                bid = b.block_id
+                lookup_time[bid] = _NO_LOOKUP
+                cls_of[bid] = DEFAULT_ID
                 b = nxt
                 n -= 1
-            while n and b is not tail and stamp_of[b.block_id] < below:
+            while n and b is not tail:
+                bid = b.block_id
+                if stamp_of[bid] >= below:
+                    break
                 nxt = b.next_free_block
                 b.prev_free_block = b.next_free_block = None
                 out.append(b)
+                lookup_time[bid] = _NO_LOOKUP
+                cls_of[bid] = DEFAULT_ID
                 b = nxt
                 n -= 1
             head.next_free_block = b
