@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_hybrid_model, build_tiny_model
 from vllm_wa.serving.cpu_shim import write_vllm_dist_shim
 
 pytestmark = pytest.mark.slow
@@ -514,3 +514,46 @@ def test_data_parallel_engines_each_report_and_take_a_pin(workdir, wa_server, pl
                 f.write(json.dumps({"server": "wa-online-dp2", "startup_s": dp.startup_s}) + "\n")
     finally:
         dp.stop()
+
+
+def test_a_hybrid_model_with_a_sliding_window_is_served_and_its_window_blocks_counted(workdir):
+    """A Gemma 3 model (a 64-token sliding-window layer, then a full-attention
+    one) under ``--wa-online``: two KV-cache groups, and vLLM frees the blocks
+    that leave the window while a request still decodes, with no release hook.
+    They are filed and counted under ``default``; every request is served, the
+    prefix cache hits, and no hook fails.  (It runs after the data-parallel
+    test, which stops the other servers.)"""
+    model = build_tiny_hybrid_model(os.path.join(workdir["dir"], "tiny-hybrid"), sliding_window=64)
+    s = Server(model, workdir["shim"], workdir["dir"], wa=True, config=workdir["config"],
+               extra=("--num-gpu-blocks-override", "200"), name="hybrid")
+    try:
+        url = s.url
+        history = {c: text(200 + c, 100) for c in range(3)}
+        cached = []
+        for turn in range(3):
+            for c, prompt in list(history.items()):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 96, "ignore_eos": True,
+                        "vllm_xargs": {"type_info": f"{'agent' if c else 'chat'}_1"}}
+                code, out = http("POST", url + "/v1/completions", body, key=API_KEY, timeout=120)
+                assert code == 200, out
+                usage = json.loads(out)["usage"]
+                cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                history[c] = prompt + " " + text(turn + c, 40)
+        assert sum(cached[3:]) > 0  # later turns hit their conversation's prefix
+        st = wait_for_state(url, lambda st: st["events_processed"] > 0)
+        assert st["hook_errors"] == 0 and st["errors"] == 0
+        deadline = time.monotonic() + 10
+        while True:
+            code, metrics = http("GET", url + "/metrics")
+            freed = {
+                line.split('class="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("vllm_wa_freed_blocks_total{")
+            }
+            if freed.get("default", 0) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert freed.get("default", 0) > 0, freed  # the window's blocks, freed mid-request
+        assert any(v > 0 for k, v in freed.items() if k != "default"), freed  # releases, by class
+    finally:
+        s.stop()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import finish, make_manager, make_request, run_prefill
 from prometheus_client import REGISTRY
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.request import RequestStatus
 
 from vllm_wa.controller.config import ControllerConfig
@@ -232,6 +233,25 @@ def test_an_outcome_reported_before_the_release_reaches_every_child_of_its_call_
     assert h.queue.free_blocks_by_class() == {"agent.o:stop": 2, "agent.o:tool": 6}
     serve("chatcmpl-9-cccccccc", 4000)
     assert h.queue.free_blocks_by_class() == {"agent.o:stop": 4, "agent.o:tool": 6}
+
+
+def test_blocks_freed_without_a_release_are_counted_under_the_default_class():
+    """A sliding window frees blocks mid-request, without a release hook: they
+    go to the default class, which the metrics then report even though no
+    request was untagged (before, its counts were kept and never shown)."""
+    m, h, _, core = engine_with_outcome_key(5)  # 4 usable blocks
+    r = make_request("chatcmpl-1-0a1b2c3d", list(range(16 * 3 + 2)), tag="agent")
+    run_prefill(m, r)
+    finish(m, r)  # 3 full blocks to its class, the partial one to go first
+    assert set(engine_side.wa_get_metrics(core)["classes"]) == {"agent.o:stop"}
+    taken = m.block_pool.get_new_blocks(3)  # the partial block and two of the full ones
+    for i, b in enumerate(taken):
+        b._block_hash = make_block_hash_with_group_id(bytes([i + 1]) * 32, 0)
+    m.block_pool.free_blocks(taken)  # what vLLM's sliding-window manager does
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 1, "default": 3}
+    classes = engine_side.wa_get_metrics(core)["classes"]
+    assert classes["default"]["freed"] == 3
+    assert classes["agent.o:stop"] == {"evictions": 2, "reuses": 0, "freed": 3}
 
 
 def test_outcome_reports_reclassify_engine_blocks():

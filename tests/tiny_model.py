@@ -1,5 +1,5 @@
-"""A tiny random-weight Llama and a locally trained tokenizer (nothing is downloaded)."""
+"""Tiny random-weight models and a locally trained tokenizer (nothing is downloaded)."""
 
-from vllm_wa.bench.tiny_model import build_tiny_model
+from vllm_wa.bench.tiny_model import build_tiny_hybrid_model, build_tiny_model
 
-__all__ = ["build_tiny_model"]
+__all__ = ["build_tiny_hybrid_model", "build_tiny_model"]

@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama and a locally trained tokenizer (nothing is downloaded).
+"""Tiny random-weight models and a locally trained tokenizer (nothing is downloaded).
 
 What the CPU tests and ``make bench-serve`` serve: it exercises vLLM's whole
 serving path (scheduler, prefix cache, API server) in milliseconds per step.
@@ -13,21 +13,20 @@ import os
 VOCAB_SIZE = 512  # the tokenizer's 400 tokens and room to spare; prompts use ids below 400
 
 
-def build_tiny_model(out: str, max_position_embeddings: int = 2048) -> str:
-    """Write the model to ``out`` (reused when it is already there with enough positions)."""
-    cfg_path = os.path.join(out, "config.json")
+def _built(out: str, max_position_embeddings: int) -> bool:
+    """Whether ``out`` already holds a model with enough positions and its tokenizer."""
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            if json.load(f).get("max_position_embeddings", 0) >= max_position_embeddings and os.path.exists(
-                os.path.join(out, "tokenizer.json")
-            ):
-                return out
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            enough = json.load(f).get("max_position_embeddings", 0) >= max_position_embeddings
     except (OSError, ValueError):
-        pass
+        return False
+    return enough and os.path.exists(os.path.join(out, "tokenizer.json"))
 
-    import torch
+
+def _write_tokenizer(out: str) -> None:
+    """A 400-token byte-level BPE trained on a few lines, with a plain chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     os.makedirs(out, exist_ok=True)
     corpus = [
@@ -50,6 +49,17 @@ def build_tiny_model(out: str, max_position_embeddings: int = 2048) -> str:
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     fast.save_pretrained(out)
+
+
+def build_tiny_model(out: str, max_position_embeddings: int = 2048) -> str:
+    """Write the model to ``out`` (reused when it is already there with enough positions)."""
+    if _built(out, max_position_embeddings):
+        return out
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _write_tokenizer(out)
     cfg = LlamaConfig(
         hidden_size=128,
         intermediate_size=256,
@@ -65,4 +75,37 @@ def build_tiny_model(out: str, max_position_embeddings: int = 2048) -> str:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def build_tiny_hybrid_model(out: str, sliding_window: int = 64, max_position_embeddings: int = 2048) -> str:
+    """A tiny random-weight Gemma 3 text model: a sliding-window layer, then a
+    full-attention one, so vLLM runs two KV-cache groups and frees the window's
+    blocks while a request still runs (what Gemma 3 and gpt-oss do)."""
+    if _built(out, max_position_embeddings):
+        return out
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    _write_tokenizer(out)
+    cfg = Gemma3TextConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=sliding_window,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(cfg).save_pretrained(out)
     return out

@@ -28,7 +28,7 @@ from vllm_wa.params import WAParams
 from vllm_wa.serving import faults
 from vllm_wa.serving.pin_request import PinRequestError, parse_pin_request
 from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
-from vllm_wa.workload_classes import ClassRegistry
+from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
 logger = logging.getLogger(__name__)
 _WRAPPED = "__vllm_wa_wrapped__"
@@ -212,9 +212,14 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
     params = c.params
     # Rows only for names in use: no reserved name before it is used, no
     # tag posing as a class, and no fitted values for a class the active
-    # parameters leave to the default model.
+    # parameters leave to the default model.  The default class is in use
+    # once a block went there: a block freed without a release (a sliding
+    # window's skipped blocks) is filed there even if no request was untagged.
     classes: dict[str, dict[str, Any]] = {}
-    for cid in reg.used_ids():
+    used = reg.used_ids()
+    if DEFAULT_ID not in used and (q.counters.freed[DEFAULT_ID] or q.counters.evicted[DEFAULT_ID]):
+        used.insert(0, DEFAULT_ID)
+    for cid in used:
         name = reg.name_of(cid)
         row: dict[str, Any] = {
             "evictions": q.counters.evicted[cid],
