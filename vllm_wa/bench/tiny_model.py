@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 VOCAB_SIZE = 512  # the tokenizer's 400 tokens and room to spare; prompts use ids below 400
 
@@ -51,61 +52,54 @@ def _write_tokenizer(out: str) -> None:
     fast.save_pretrained(out)
 
 
-def build_tiny_model(out: str, max_position_embeddings: int = 2048) -> str:
-    """Write the model to ``out`` (reused when it is already there with enough positions)."""
+# What both tiny models share: two layers, head_dim 64 (CPU attention needs >= 32).
+_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+def _build(out: str, max_position_embeddings: int, model_cls: Any, config_cls: Any, **config: Any) -> str:
+    """Write the tokenizer and a seeded random-weight model (reused when already there)."""
     if _built(out, max_position_embeddings):
         return out
-
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     _write_tokenizer(out)
-    cfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=2,  # head_dim 64: CPU attention needs >= 32
-        num_key_value_heads=1,
-        num_hidden_layers=2,
-        vocab_size=VOCAB_SIZE,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    cfg = config_cls(**_SHAPE, max_position_embeddings=max_position_embeddings, **config)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    model_cls(cfg).save_pretrained(out)
     return out
+
+
+def build_tiny_model(out: str, max_position_embeddings: int = 2048) -> str:
+    """Write the model to ``out`` (reused when it is already there with enough positions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _build(out, max_position_embeddings, LlamaForCausalLM, LlamaConfig, tie_word_embeddings=False)
 
 
 def build_tiny_hybrid_model(out: str, sliding_window: int = 64, max_position_embeddings: int = 2048) -> str:
     """A tiny random-weight Gemma 3 text model: a sliding-window layer, then a
     full-attention one, so vLLM runs two KV-cache groups and frees the window's
     blocks while a request still runs (what Gemma 3 and gpt-oss do)."""
-    if _built(out, max_position_embeddings):
-        return out
-
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    _write_tokenizer(out)
-    cfg = Gemma3TextConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+    return _build(
+        out,
+        max_position_embeddings,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         head_dim=64,
         query_pre_attn_scalar=64,
-        num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=sliding_window,
-        vocab_size=VOCAB_SIZE,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
         pad_token_id=0,
-        torch_dtype="float32",
     )
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(cfg).save_pretrained(out)
-    return out
