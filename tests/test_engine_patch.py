@@ -586,6 +586,37 @@ def test_a_block_freed_without_the_tagger_is_filed_as_untagged_not_by_its_old_co
     h.queue.check_invariants()
 
 
+def test_a_hit_block_that_leaves_the_window_is_dated_by_the_hit_not_its_previous_user(clock):
+    """A sliding-window block that a request found in the prefix cache and that
+    leaves the window before the release (no hook sees it) keeps its class, the
+    class of the same content's last release, and is stamped by this request's
+    lookup, not by the lookup of the request that freed it before."""
+    m = make_hybrid_manager(40, BS, sliding_window=32)
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
+    old = make_request("old", tokens(0, 6), tag="chat")
+    clock.t = 10.0
+    run_prefill(m, old)
+    clock.t = 20.0
+    finish(m, old)
+    new = make_request("new", tokens(0, 6), tag="tool")
+    clock.t = 30.0
+    assert run_prefill(m, new) > 0
+    window_hits = {b.block_id for b in m.coordinator.get_blocks("new")[1] if not b.is_null}
+    free_before = {b.block_id for b in h.queue.iter_eviction_order()}
+    clock.t = 40.0
+    for _ in range(3):
+        for tok in range(BS):
+            new.append_output_token_ids(9000 + tok)
+        assert m.allocate_slots(new, BS) is not None
+        new.num_computed_tokens = new.num_tokens
+    left = [b for b in h.queue.iter_eviction_order() if b.block_id not in free_before]
+    hit_left = [b for b in left if b.block_id in window_hits]
+    assert hit_left
+    assert {h.queue.registry.name_of(h.queue.block_class[b.block_id]) for b in hit_left} == {"chat"}
+    assert {h.queue.stamp[b.block_id] for b in hit_left} == {30.0}
+    h.queue.check_invariants()
+
+
 def test_set_params_rejects_bad_values_and_keeps_old(clock):
     m = make_manager(8)
     h = install_wa_queue(m.block_pool, clock=clock)

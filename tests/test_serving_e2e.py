@@ -521,8 +521,10 @@ def test_a_hybrid_model_with_a_sliding_window_is_served_and_its_window_blocks_co
     one) under ``--wa-online``: two KV-cache groups, and vLLM frees the blocks
     that leave the window while a request still decodes, with no release hook.
     They are filed and counted under ``default``; every request is served, the
-    prefix cache hits, and no hook fails.  (It runs after the data-parallel
-    test, which stops the other servers.)"""
+    prefix cache hits, and no hook fails.  (With 200 blocks little is evicted,
+    so the queue's filing of such blocks is guarded by the engine-patch unit
+    tests; this one checks serving and counting.  It runs after the
+    data-parallel test, which stops the other servers.)"""
     model = build_tiny_hybrid_model(os.path.join(workdir["dir"], "tiny-hybrid"), sliding_window=64)
     s = Server(model, workdir["shim"], workdir["dir"], wa=True, config=workdir["config"],
                extra=("--num-gpu-blocks-override", "200"), name="hybrid")

@@ -249,9 +249,11 @@ def test_blocks_freed_without_a_release_are_counted_under_the_default_class():
         b._block_hash = make_block_hash_with_group_id(bytes([i + 1]) * 32, 0)
     m.block_pool.free_blocks(taken)  # what vLLM's sliding-window manager does
     assert h.queue.free_blocks_by_class() == {"agent.o:stop": 1, "default": 3}
-    classes = engine_side.wa_get_metrics(core)["classes"]
+    metrics = engine_side.wa_get_metrics(core)
+    classes = metrics["classes"]
     assert classes["default"]["freed"] == 3
     assert classes["agent.o:stop"] == {"evictions": 2, "reuses": 0, "freed": 3}
+    assert metrics["num_classes"] == 2  # the classes gauge counts the rows it shows
 
 
 def test_outcome_reports_reclassify_engine_blocks():

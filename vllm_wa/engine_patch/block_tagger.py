@@ -323,9 +323,9 @@ class BlockTagger:
             # would stay forever: the oldest lookup goes (its release, if it
             # comes, is filed without one).
             del self._looked_up[next(iter(self._looked_up))]
-        self.count_reuse(hit_blocks, free_hits=True)
+        self.count_reuse(hit_blocks, now, free_hits=True)
         for group in extra_hits:
-            self.count_reuse(group)
+            self.count_reuse(group, now)
         # Hit accounting is per workload tag (the outcome is not known yet).
         tag_id = self.tags.id_of(req.tag, now)
         self.hit_blocks_by_tag[tag_id] += len(hit_blocks)
@@ -375,11 +375,19 @@ class BlockTagger:
         out += self.sink.sampled_from(block_hashes, len(hit_blocks))
         return tuple(out), hits
 
-    def count_reuse(self, hit_blocks: Sequence[KVCacheBlock], *, free_hits: bool = False) -> None:
-        """One more prefix hit on each of ``hit_blocks``; with ``free_hits``,
-        also count per class the hits on blocks that sat in the free list."""
+    def count_reuse(self, hit_blocks: Sequence[KVCacheBlock], at: float, *, free_hits: bool = False) -> None:
+        """One more prefix hit, looked up at ``at``, on each of ``hit_blocks``;
+        with ``free_hits``, also count per class the hits on blocks that sat in
+        the free list.
+
+        A hit dates the block's last use as :meth:`file_blocks` does at the
+        release, so a hit block freed before the request's release without a
+        hook (one that leaves a sliding window) is stamped by this lookup,
+        not by its previous user's.
+        """
         counts, counted = self.reuse_count, self._counted_hash
         cls_of, reused = self.queue.block_class, self.queue.counters.reused
+        lookup_time = self.queue.lookup_time
         num_classes = len(reused)
         for b in hit_blocks:
             bid = b.block_id
@@ -388,6 +396,8 @@ class BlockTagger:
                 counted[bid] = h
                 counts[bid] = 0
             counts[bid] += 1
+            if lookup_time[bid] < at:  # noqa: PLR1730 - no call per block
+                lookup_time[bid] = at
             if free_hits and b.ref_cnt == 0 and b.next_free_block is not None:
                 c = cls_of[bid]
                 if c < num_classes:

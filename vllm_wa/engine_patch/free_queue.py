@@ -569,9 +569,11 @@ class WorkloadAwareFreeQueue:
 
         The blocks take new content: neither the old content's class nor its
         lookups describe them (the tagger keeps a block's latest start among
-        its users), so each is reset on the way out.  A block freed later
-        without the tagger (a sliding window's skipped blocks) is then filed
-        as an untagged request's, stamped at its release.
+        its users), so each is reset on the way out.  Such a block freed
+        later without the tagger (a sliding window's, mid-request) is then
+        filed as an untagged request's, stamped at its release.  (A block
+        found by a prefix lookup keeps its content's class, and the lookup
+        dates it: ``BlockTagger.count_reuse``.)
         """
         if n == 0:
             return []

@@ -210,16 +210,10 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
     t = ewa.handle.tagger
     bs = ewa.block_size
     params = c.params
-    # Rows only for names in use: no reserved name before it is used, no
-    # tag posing as a class, and no fitted values for a class the active
-    # parameters leave to the default model.  The default class is in use
-    # once a block went there: a block freed without a release (a sliding
-    # window's skipped blocks) is filed there even if no request was untagged.
+    # Rows only for classes in use (_classes_in_use), and no fitted values
+    # for a class the active parameters leave to the default model.
     classes: dict[str, dict[str, Any]] = {}
-    used = reg.used_ids()
-    if DEFAULT_ID not in used and (q.counters.freed[DEFAULT_ID] or q.counters.evicted[DEFAULT_ID]):
-        used.insert(0, DEFAULT_ID)
-    for cid in used:
+    for cid in _classes_in_use(ewa.handle):
         name = reg.name_of(cid)
         row: dict[str, Any] = {
             "evictions": q.counters.evicted[cid],
@@ -291,9 +285,21 @@ def _tuner(snapshot: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def _classes_in_use(handle: WAHandle) -> list[int]:
+    """The class ids the metrics report: names claimed by a release (no
+    reserved name before it is used, no tag posing as a class), and the
+    default class once a block went there, since a block freed without a
+    release (a sliding window's, mid-request) is filed there even if no
+    request was untagged."""
+    used = handle.registry.used_ids()
+    counters = handle.queue.counters
+    if DEFAULT_ID not in used and (counters.freed[DEFAULT_ID] or counters.evicted[DEFAULT_ID]):
+        used.insert(0, DEFAULT_ID)
+    return used
+
+
 def _live_counters(ewa: EngineWA) -> dict[str, Any]:
     t = ewa.handle.tagger
-    reg = ewa.handle.registry
     return {
         "events_dropped": ewa.controller.sink.dropped,
         "checkpoint_errors": ewa.controller.checkpoint_failures.count,
@@ -310,7 +316,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
         "outcomes_reclassified": t.reclassified_requests,
         "invalid_outcome_reports": ewa.invalid_reports,
         "outcome_reports_dropped": ewa.reports_over_limit,
-        "num_classes": len(reg.used_ids()),
+        "num_classes": len(_classes_in_use(ewa.handle)),
         "num_tags": len(t.tags.used_ids()),
     }
 
