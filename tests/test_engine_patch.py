@@ -547,19 +547,35 @@ def test_a_block_given_new_content_forgets_the_lookup_of_its_old_content(clock):
     assert cached and {h.queue.stamp[bid] for bid in cached} == {20.0}
 
 
+def hybrid_after_a_chat_release(clock, num_blocks: int, first_token: int):
+    """A two-group manager (32-token window) with the lookup-stamped queue, after a
+    ``chat`` request of 6 full blocks was looked up at 10 and released at 20."""
+    m = make_hybrid_manager(num_blocks, BS, sliding_window=32)
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
+    old = make_request("old", tokens(first_token, 6), tag="chat")
+    clock.t = 10.0
+    run_prefill(m, old)
+    clock.t = 20.0
+    finish(m, old)
+    return m, h
+
+
+def decode(m, request, n_blocks: int) -> None:
+    """Decode ``n_blocks`` blocks' worth of tokens, one block per step (the window moves on)."""
+    for _ in range(n_blocks):
+        for tok in range(BS):
+            request.append_output_token_ids(9000 + tok)
+        assert m.allocate_slots(request, BS) is not None
+        request.num_computed_tokens = request.num_tokens
+
+
 def test_a_block_freed_without_the_tagger_is_filed_as_untagged_not_by_its_old_content(clock):
     """vLLM frees a sliding-window group's blocks that left the window while
     the request still runs (``remove_skipped_blocks``), straight into the
     pool: no release hook sees them.  Such a block goes to the default class,
     stamped at that release, not to the class of the content it held before
     it was evicted (which says nothing about it)."""
-    m = make_hybrid_manager(15, BS, sliding_window=32)  # 14 usable: two requests of 7 + 7 blocks
-    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
-    old = make_request("old", tokens(5000, 6), tag="chat")
-    clock.t = 10.0
-    run_prefill(m, old)
-    clock.t = 20.0
-    finish(m, old)
+    m, h = hybrid_after_a_chat_release(clock, 15, 5000)  # 14 usable: two requests of 7 + 7 blocks
     assert set(h.queue.free_blocks_by_class()) == {"chat"}
     chat_ids = {b.block_id for b in h.queue.iter_eviction_order()}
     long_running = make_request("long", tokens(0, 6), tag="tool")
@@ -567,12 +583,9 @@ def test_a_block_freed_without_the_tagger_is_filed_as_untagged_not_by_its_old_co
     run_prefill(m, long_running)  # takes (and evicts) the old request's blocks
     assert not h.queue.free_blocks_by_class().get("chat")
     clock.t = 40.0
-    for tok in range(BS):
-        long_running.append_output_token_ids(9000 + tok)
     # The window moves on: its blocks before the window are freed, and one
     # block of each group taken.
-    assert m.allocate_slots(long_running, BS) is not None
-    long_running.num_computed_tokens = long_running.num_tokens
+    decode(m, long_running, 1)
     left_window = list(h.queue.iter_eviction_order())
     assert left_window and {b.block_id for b in left_window} <= chat_ids
     assert all(b.block_hash is not None for b in left_window)
@@ -591,24 +604,14 @@ def test_a_hit_block_that_leaves_the_window_is_dated_by_the_hit_not_its_previous
     leaves the window before the release (no hook sees it) keeps its class, the
     class of the same content's last release, and is stamped by this request's
     lookup, not by the lookup of the request that freed it before."""
-    m = make_hybrid_manager(40, BS, sliding_window=32)
-    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
-    old = make_request("old", tokens(0, 6), tag="chat")
-    clock.t = 10.0
-    run_prefill(m, old)
-    clock.t = 20.0
-    finish(m, old)
+    m, h = hybrid_after_a_chat_release(clock, 40, 0)
     new = make_request("new", tokens(0, 6), tag="tool")
     clock.t = 30.0
     assert run_prefill(m, new) > 0
     window_hits = {b.block_id for b in m.coordinator.get_blocks("new")[1] if not b.is_null}
     free_before = {b.block_id for b in h.queue.iter_eviction_order()}
     clock.t = 40.0
-    for _ in range(3):
-        for tok in range(BS):
-            new.append_output_token_ids(9000 + tok)
-        assert m.allocate_slots(new, BS) is not None
-        new.num_computed_tokens = new.num_tokens
+    decode(m, new, 3)
     left = [b for b in h.queue.iter_eviction_order() if b.block_id not in free_before]
     hit_left = [b for b in left if b.block_id in window_hits]
     assert hit_left
