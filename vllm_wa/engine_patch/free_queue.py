@@ -586,14 +586,10 @@ class WorkloadAwareFreeQueue:
         head, tail = self._heads[nohash], self._tails[nohash]
         b = head.next_free_block
         if b is not tail:
-            lookup_time, cls_of = self.lookup_time, self.block_class
             while n and b is not tail:
                 nxt = b.next_free_block
                 b.prev_free_block = b.next_free_block = None
                 out.append(b)
-                bid = b.block_id
-                lookup_time[bid] = _NO_LOOKUP
-                cls_of[bid] = DEFAULT_ID
                 b = nxt
                 n -= 1
             head.next_free_block = b
@@ -602,12 +598,15 @@ class WorkloadAwareFreeQueue:
                 self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
+        lookup_time, cls_of = self.lookup_time, self.block_class
+        for b in out:
+            bid = b.block_id
+            lookup_time[bid] = _NO_LOOKUP
+            cls_of[bid] = DEFAULT_ID
         return out
 
     def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:
-        """Take ``n`` hashed blocks, lowest score first (reset as in :meth:`popleft_n`)."""
         stamp_of = self.stamp
-        lookup_time, cls_of = self.lookup_time, self.block_class
         now = self.clock()
         while n:
             forced = False
@@ -628,20 +627,12 @@ class WorkloadAwareFreeQueue:
                 nxt = b.next_free_block
                 b.prev_free_block = b.next_free_block = None
                 out.append(b)
-                bid = b.block_id
-                lookup_time[bid] = _NO_LOOKUP
-                cls_of[bid] = DEFAULT_ID
                 b = nxt
                 n -= 1
-            while n and b is not tail:
-                bid = b.block_id
-                if stamp_of[bid] >= below:
-                    break
+            while n and b is not tail and stamp_of[b.block_id] < below:
                 nxt = b.next_free_block
                 b.prev_free_block = b.next_free_block = None
                 out.append(b)
-                lookup_time[bid] = _NO_LOOKUP
-                cls_of[bid] = DEFAULT_ID
                 b = nxt
                 n -= 1
             head.next_free_block = b
