@@ -599,6 +599,39 @@ def test_a_block_freed_without_the_tagger_is_filed_as_untagged_not_by_its_old_co
     h.queue.check_invariants()
 
 
+def test_an_eviction_is_reported_only_for_content_whose_release_was(clock):
+    """A sampled block's EVICTED event pairs with the FREED event of the same
+    content (the ghost table and the real cache's turnover count read it).  A
+    block taken for new content and freed without the tagger (a window's,
+    mid-request) made no FREED event, so its eviction makes no EVICTED one,
+    whatever the flag of the content it held before said."""
+    m = make_hybrid_manager(15, BS, sliding_window=32)
+    sink = EventSink(capacity=10_000, sample_rate=0.999999)  # hash-sampled, nearly every block in
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock, sink=sink)
+    old = make_request("old", tokens(5000, 6), tag="chat")
+    clock.t = 10.0
+    run_prefill(m, old)
+    clock.t = 20.0
+    finish(m, old)
+    long_running = make_request("long", tokens(0, 6), tag="tool")
+    clock.t = 30.0
+    run_prefill(m, long_running)  # evicts the old request's blocks
+    clock.t = 40.0
+    decode(m, long_running, 1)  # window blocks freed without the tagger
+    left_window = [b.block_hash for b in h.queue.iter_eviction_order()]
+    assert left_window
+    clock.t = 50.0
+    finish(m, long_running)
+    clock.t = 60.0
+    run_prefill(m, make_request("next", tokens(9000, 6), tag="tool"))  # evicts every free block
+    events = sink.drain()
+    freed = {ev.block_hash for ev in events if ev.kind == EventKind.FREED}
+    evicted = [ev.block_hash for ev in events if ev.kind == EventKind.EVICTED]
+    assert evicted and set(evicted) <= freed
+    assert not set(left_window) & set(evicted)
+    h.queue.check_invariants()
+
+
 def test_a_hit_block_that_leaves_the_window_is_dated_by_the_hit_not_its_previous_user(clock):
     """A sliding-window block that a request found in the prefix cache and that
     leaves the window before the release (no hook sees it) keeps its class, the

@@ -567,11 +567,13 @@ class WorkloadAwareFreeQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks to reuse: blocks without a hash, then lowest scores.
 
-        The blocks take new content: neither the old content's class nor its
-        lookups describe them (the tagger keeps a block's latest start among
-        its users), so each is reset on the way out.  Such a block freed
-        later without the tagger (a sliding window's, mid-request) is then
-        filed as an untagged request's, stamped at its release.  (A block
+        The blocks take new content: neither the old content's class, nor its
+        lookups, nor its sampling flag describe them (the tagger keeps a
+        block's latest start among its users), so each is reset on the way
+        out.  Such a block freed later without the tagger (a sliding
+        window's, mid-request) is then filed as an untagged request's,
+        stamped at its release, and its eviction is not reported: no FREED
+        event named its content.  (A block
         found by a prefix lookup keeps its content's class, and the lookup
         dates it: ``BlockTagger.count_reuse``.)
         """
@@ -598,11 +600,12 @@ class WorkloadAwareFreeQueue:
                 self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
-        lookup_time, cls_of = self.lookup_time, self.block_class
+        lookup_time, cls_of, sampled = self.lookup_time, self.block_class, self.sampled
         for b in out:
             bid = b.block_id
             lookup_time[bid] = _NO_LOOKUP
             cls_of[bid] = DEFAULT_ID
+            sampled[bid] = 0
         return out
 
     def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:
