@@ -196,7 +196,7 @@ def test_a_restart_keeps_what_drifts_forgot(tmp_path):
     assert json.loads(path.read_text())["drift_cuts"]
     fresh = controller(lambda: clock[0])
     assert fresh.load_checkpoint(str(path))
-    for k in c._labels:
+    for k in c._key_classes:
         before, after = c._class_data(k, None), fresh._class_data(k, None)
         assert before.keys() == after.keys()
         for name in before:

@@ -387,7 +387,7 @@ def test_survival_bank_pools_and_forgets_rows_exactly_as_one_by_one():
     for c in range(3):
         members = [i for i in range(9) if labels[i] == c]
         watched = [SurvivalData(np.zeros(len(_MIDS)), extra[j]) for j, r in enumerate(extra_rows) if labels[r] == c]
-        want = pooled((ReuseEstimator(data=plain[i]) for i in members), *watched)
+        want = pooled(*(plain[i] for i in members), *watched)
         assert np.array_equal(got[c].events, want.events), c
         assert np.array_equal(got[c].censored, want.censored), c
         assert got[c].groups == want.groups, c
@@ -610,6 +610,27 @@ def test_finest_classes_unused_for_the_retire_time_give_their_slots_back(monkeyp
     one = forgetting_factor(20.0, c.config.memory_s)  # one reuse each, 20 s of forgetting
     assert data["watched.o:stop"].n_events == pytest.approx(one) and data["new.o:stop"].n_events == pytest.approx(one)
     assert c.state()["finest_classes_retired"] == 2
+
+
+def test_reading_the_state_counts_nothing_under_a_key_no_candidate_uses():
+    """Under LRU the state shows classes by tag even when no candidate keys on
+    the tag alone; reading it (every refit, for /wa/params) must not start
+    counting lookups or detecting drifts under that key."""
+    spec = CandidateSpec(("outcome",), "exponential", "posterior", 10.0)
+    runs = {}
+    for publish in (True, False):
+        sink = EventSink(capacity=100000)
+        clock = [0.0]
+        cfg = small_config(candidates=(spec,), initial="lru", tuner_enabled=False)
+        c = WAController(cfg, 200, Applied(), sink, clock=lambda: clock[0], publish=publish)
+        for _ in range(3):
+            clock[0] = feed(sink, clock[0])
+            c.refit()
+        runs[publish] = c
+    read, unread = runs[True], runs[False]
+    assert set(read.state()["drifts"]) == set(unread.state()["drifts"]) == {"outcome"}
+    assert set(read._key_classes) == {FeatureKey(("outcome",))}
+    assert read.state()["classes"] == unread.state()["classes"]
 
 
 def test_a_drift_forgets_in_the_view_of_the_key_that_detected_it_only():
@@ -1080,7 +1101,7 @@ def test_classes_of_one_law_share_the_pooled_model_and_different_laws_separate(f
         a = clustered_data(rng, 0.6, 30.0, 150, 50)
         b = clustered_data(rng, 0.6, 30.0, 150, 50)
         c = clustered_data(rng, 0.6, 600.0, 150, 50)
-        own_a, pooled_ab, own_c, pooled_ac = (fit_model(x, family) for x in (a, pooled((), a, b), c, pooled((), a, c)))
+        own_a, pooled_ab, own_c, pooled_ac = (fit_model(x, family) for x in (a, pooled(a, b), c, pooled(a, c)))
         same += separates(own_a, pooled_ab, a, threshold)
         differ += separates(own_c, pooled_ac, c, threshold)
         # Counting each block as an observation (no lookups) finds differences that are not there.

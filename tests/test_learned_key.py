@@ -6,6 +6,7 @@ import random
 from array import array
 from typing import Any
 
+import numpy as np
 import pytest
 
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
@@ -67,8 +68,7 @@ def test_learned_key_maps_cells_and_falls_back():
     assert key(RequestTags("r", "agent", "tool"), 0, 0) == "l:1"
     assert key(RequestTags("r", "chat", "stop"), 3, 2) == "l:0"
     assert key(RequestTags("r", "chat", "tool"), 0, 0) == FALLBACK
-    comps = ("agent", "tool", 0, 0, "u", 0, "u", "u")
-    assert key.name_of(comps) == "l:1"
+    assert key.class_of(cells.name_of(("agent", "tool", 0, 0, "u", 0, "u", "u"))) == "l:1"
     assert LearnedKey(cells, key.table) == key and LearnedKey(cells) != key
     with pytest.raises(ValueError, match="request features only"):
         LearnedKey(FeatureKey(("tag", "depth")))
@@ -140,6 +140,25 @@ def test_controller_learns_which_cells_come_back_soon():
     # With the tuner off the fixed candidate's time still counts (bench-serve reports it).
     on = state["seconds_on_candidate"]
     assert on["lru"] == 0.0 and on[spec.name] > 0.9 * (setup.trace.end - setup.trace.start)
+
+
+def test_the_state_reports_a_learned_keys_classes_as_the_fit_pools_them():
+    """A learned class's data is its cells' data as the cells key holds it,
+    less what that key's drifts forgot: /wa/params reports the numbers the
+    models were fitted on, not the finest rows pooled afresh."""
+    spec = CandidateSpec(("tag", "outcome", "reply"), classes=2)
+    _, pol = run_fixed_candidate(spec)
+    c = pol.controller
+    key = c.candidates[spec.name].key
+    cells = c._class_data(key.cells, None)
+    busiest = max(cells, key=lambda name: cells[name].n_events)
+    c._drift_of(key.cells).cut(busiest, np.stack((cells[busiest].events, cells[busiest].censored)))
+    fitted: dict[str, float] = {}
+    for name, d in c._class_data(key.cells, None).items():
+        fitted[key.class_of(name)] = fitted.get(key.class_of(name), 0.0) + d.n_events
+    reported = {name: row["reuses"] for name, row in c.state()["classes"].items()}
+    assert reported == {name: pytest.approx(v, abs=0.01) for name, v in fitted.items()}
+    assert sum(reported.values()) < sum(row.n_events for row in c._bank.rows) - 1.0  # the cut shows
 
 
 def test_a_ttl_candidate_keeps_the_class_that_comes_back_soon_for_longer():

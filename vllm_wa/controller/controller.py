@@ -41,7 +41,8 @@ from vllm_wa.controller.checkpoint import (
 from vllm_wa.controller.class_drift import ClassDrift
 from vllm_wa.controller.config import FAMILIES, CandidateSpec, ControllerConfig
 from vllm_wa.controller.estimators import ModelFit, SurvivalBank, forgetting_factor, pooled
-from vllm_wa.controller.features import FEATURES, FINEST, FeatureKey
+from vllm_wa.controller.features import FEATURES, FINEST, FOLDED, FeatureKey
+from vllm_wa.controller.key_classes import KeyClasses
 from vllm_wa.controller.learned_key import LearnedKey, assign
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ClassKey, ShadowCache
@@ -50,7 +51,7 @@ from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.params import ReuseModel, WAParams, params_changed
-from vllm_wa.workload_classes import ClassRegistry
+from vllm_wa.workload_classes import OTHER_CLASS, ClassRegistry
 
 logger = logging.getLogger(__name__)
 # Finest classes (one estimator each, about 4 KiB): the default candidates'
@@ -79,6 +80,10 @@ class Candidate:
     key: ClassKey | None
     params: WAParams = field(default_factory=WAParams.lru)
     fits: dict[str, ModelFit] = field(default_factory=dict)
+
+
+# The key of the state's classes under LRU and of a pin that names no features.
+DEFAULT_KEY = FeatureKey(("tag",))
 
 
 def candidate_key(spec: CandidateSpec) -> ClassKey | None:
@@ -118,7 +123,7 @@ def start_online(
     )
     registry = ClassRegistry(max_classes=config.max_classes, retire_after_s=config.class_retire_s)
     initial = next(c for c in config.all_candidates if c.name == config.initial)
-    key = candidate_key(initial) or FeatureKey(("tag",))
+    key = candidate_key(initial) or DEFAULT_KEY
     conversations = ConversationTracker(max_age_s=config.max_watch_s, key_of=sink.sample_value)
     queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
@@ -171,7 +176,7 @@ class WAController:
         # are folded), interned up to MAX_FINE_CLASSES.
         used = {f for c in config.all_candidates for f in c.features if not c.lru}
         self._fold = tuple(i for i, f in enumerate(FEATURES) if f not in used)
-        self._other_fine = ("other",) + ("*",) * (len(FEATURES) - 1)
+        self._other_fine = (OTHER_CLASS,) + (FOLDED,) * (len(FEATURES) - 1)
         self._fine_ids: dict[tuple, int] = {}
         self._fine: list[tuple] = []
         # When each finest class last had a block freed into it, reused or
@@ -180,15 +185,13 @@ class WAController:
         self._fine_touched: set[int] = set()
         self._next_fine_retire = -math.inf
         self.finest_retired = 0  # finest classes given back (see RETIRE_FINE_AT)
-        self.finest_folded = 0  # block observations filed under a folded class (the table was full)
+        self.finest_folded = 0  # freed blocks filed under a folded class (the table was full)
         # The finest classes' observations, one row each (forgotten and pooled for all at once).
         self._bank = SurvivalBank()
-        # Per class key: its class names (in order of first finest class),
-        # each finest class's index among them, extended as classes appear,
-        # and each class's lookups that found reuses (forgotten as the
-        # observations are): the class test counts one lookup's blocks as one
-        # observation per class of the key, however many finest classes they span.
-        self._labels: dict[FeatureKey, tuple[list[str], dict[str, int], list[int], list[float]]] = {}
+        # The candidates' keys' classes, each counting its own lookups (the
+        # class test counts one lookup's blocks as one observation per class
+        # of the key, however many finest classes they span).
+        self._key_classes: dict[FeatureKey, KeyClasses] = {}
         # Per class key: its classes' drift detectors, and what they forgot
         # in that key's view (the finest rows are never cut: class_drift).
         self._drift: dict[FeatureKey, ClassDrift] = {}
@@ -225,7 +228,7 @@ class WAController:
         for cand in self.candidates.values():
             counted = cand.key.cells if isinstance(cand.key, LearnedKey) else cand.key
             if counted is not None:
-                self._key_labels(counted)
+                self._key_classes.setdefault(counted, KeyClasses(counted))
         self.tuner = Tuner(list(self.candidates), config.tuner_settings, config.initial, sampled_cache)
         self.pinned: WAParams | None = None
         self._pinned_key: FeatureKey | None = None
@@ -271,7 +274,6 @@ class WAController:
         if len(self._fine) >= MAX_FINE_CLASSES:
             # Full: keep the tag and outcome (every key has them to
             # tell apart), fold the rest; past some room for those, all is other.
-            self.finest_folded += 1
             comps = comps[:2] + self._other_fine[2:]
             if len(self._fine) >= MAX_FINE_CLASSES + FOLDED_ROOM and comps not in self._fine_ids:
                 comps = self._other_fine
@@ -314,32 +316,29 @@ class WAController:
         self._fine_used_at = [used_at[f] for f in keep]
         self._bank.keep(keep)
         self.tracker.renumber(new_id)
-        for key, (names, _, _, groups) in list(self._labels.items()):
-            counts = dict(zip(names, groups))
-            self._labels[key] = ([], {}, [], [])
-            new_names, _ = self._key_labels(key)
-            self._labels[key][3][:] = [counts.get(name, 0.0) for name in new_names]
+        for kc in self._key_classes.values():
+            kc.relabel(self._fine)
         for key, before in cut_before.items():
             drift = self._drift[key]
             after = self._cut_counts(key)
             for name, counts in before.items():
                 drift.rescale(name, counts, after.get(name, np.zeros_like(counts)))
-            drift.retain(self._labels[key][0])
+            drift.retain(self._key_classes[key].names)
         for cand in self.candidates.values():
-            labels = self._labels.get(cand.key) if isinstance(cand.key, FeatureKey) else None
-            if labels is not None:  # a retired class's warm-started fit goes too
-                live = set(labels[0])
+            kc = self._key_classes.get(cand.key) if isinstance(cand.key, FeatureKey) else None
+            if kc is not None:  # a retired class's warm-started fit goes too
+                live = set(kc.names)
                 for name in [n for n in cand.fits if n not in live]:
                     del cand.fits[name]
 
     def _cut_counts(self, key: FeatureKey) -> dict[str, np.ndarray]:
         """The pooled counts, now, of each of ``key``'s classes that a drift cut."""
-        _, labels = self._key_labels(key)
-        index = self._labels[key][1]
+        kc, _ = self._classes_of(key)
         out = {}
         for name in self._drift[key].cut_classes():
-            if name in index:
-                out[name] = self._bank.sum_rows(np.flatnonzero(labels == index[name]))
+            rows = kc.rows_of(name)
+            if rows is not None:
+                out[name] = self._bank.sum_rows(rows)
         return out
 
     def _drift_of(self, key: FeatureKey) -> ClassDrift:
@@ -364,11 +363,14 @@ class WAController:
         self._bank.rows[fid].add_censored(exposure)
 
     def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
-        comps = FINEST.components(request, position, reuse_count)
+        return self._folded(FINEST.components(request, position, reuse_count))
+
+    def _folded(self, comps: tuple) -> tuple:
+        """A finest class's components with the features no candidate uses folded."""
         if self._fold:
             comps = list(comps)
             for i in self._fold:
-                comps[i] = "*"
+                comps[i] = FOLDED
             comps = tuple(comps)
         return comps
 
@@ -408,7 +410,10 @@ class WAController:
             kind = ev.kind
             if kind == EventKind.FREED:
                 comps = self._finest(ev.request, ev.position, ev.reuse_count)
-                tracker.freed(ev.block_hash, self._fine_id(comps), ev.time)
+                fid = self._fine_id(comps)
+                if self._fine[fid] != comps:
+                    self.finest_folded += 1
+                tracker.freed(ev.block_hash, fid, ev.time)
             elif kind == EventKind.EVICTED:
                 tracker.evicted(ev.block_hash, ev.time)
                 evicted += 1
@@ -461,8 +466,8 @@ class WAController:
             factor = forgetting_factor(max(0.0, now - self._last_forget), self.config.memory_s)
             if factor < 1.0:
                 self._bank.decay(factor)
-                for _, _, _, groups in self._labels.values():
-                    groups[:] = [g * factor for g in groups]
+                for kc in self._key_classes.values():
+                    kc.decay(factor)
                 for drift in self._drift.values():
                     drift.decay(factor)
         self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
@@ -521,61 +526,62 @@ class WAController:
         rows = np.flatnonzero(counts.sum(axis=1))
         return rows, counts[rows]
 
-    def _key_labels(self, key: ClassKey) -> tuple[list[str], np.ndarray]:
-        """``key``'s class names, in order of their first finest class, and
-        each finest class's index among them (kept for the candidates' fixed
-        keys, which see every fit; a learned key's table changes)."""
-        if isinstance(key, FeatureKey):
-            names, index, labels, groups = self._labels.setdefault(key, ([], {}, [], []))
-        else:
-            names, index, labels, groups = [], {}, [], []
-        for comps in self._fine[len(labels):]:
-            name = key.name_of(comps)
-            i = index.get(name)
-            if i is None:
-                i = index[name] = len(names)
-                names.append(name)
-                groups.append(0.0)
-            labels.append(i)
-        return names, np.array(labels, dtype=np.intp)
+    def _classes_of(self, key: FeatureKey) -> tuple[KeyClasses, np.ndarray]:
+        """``key``'s classes over every finest class so far, and each finest
+        class's label: a candidate's key's own, which counts its lookups, or
+        for another key (the state's, under LRU) a view made for the call."""
+        kc = self._key_classes.get(key)
+        if kc is None:
+            kc = KeyClasses(key)
+        return kc, kc.extend(self._fine)
 
     def _count_lookup(self, found: list[tuple[int, list[float]]], t: float) -> None:
         """One lookup found reuses in these finest classes (with their gaps):
         for each class of each key, one lookup counted and one value for its
         drift detector; a detection forgets in that key's view only."""
         top = max(fid for fid, _ in found)
-        for key, (names, _, labels, groups) in self._labels.items():
-            if top >= len(labels):
-                self._key_labels(key)
+        for key, kc in self._key_classes.items():
+            if top >= len(kc.labels):
+                kc.extend(self._fine)
+            names, labels, lookups = kc.names, kc.labels, kc.lookups
             by_class: dict[int, list[float]] = {}
             for fid, gaps in found:
                 by_class.setdefault(labels[fid], []).extend(gaps)
             drift = self._drift_of(key)
             for i, gaps in by_class.items():
-                groups[i] += 1.0
+                lookups[i] += 1.0
                 if drift.update(names[i], gaps):
-                    rows = np.flatnonzero(np.asarray(labels) == i)
-                    drift.cut(names[i], self._bank.sum_rows(rows))
-                    groups[i] *= drift.forget
+                    drift.cut(names[i], self._bank.sum_rows(kc.rows(i)))
+                    lookups[i] *= drift.forget
                     self.drift_events.append({"time": t, "key": key.name, "class": names[i]})
 
     def _class_data(self, key: ClassKey, at_risk: AtRisk) -> dict[str, SurvivalData]:
         """The observations of each class of ``key``: its finest classes pooled,
-        then the blocks they still watch.  A counted key's classes carry its
-        own lookup counts (pooling finest classes would count a lookup once
-        in each)."""
-        names, labels = self._key_labels(key)
-        data = self._bank.pool(labels, len(names), at_risk)
-        counted = self._labels.get(key) if isinstance(key, FeatureKey) else None
-        if counted is not None:
-            for d, g in zip(data, counted[3]):
+        then the blocks they still watch.  A candidate's key's classes carry
+        its own lookup counts (pooling finest classes would count a lookup
+        once in each) and what its drifts forgot; a learned key's classes
+        pool its cells' data so."""
+        if isinstance(key, LearnedKey):
+            return self._pooled_cells(key, self._class_data(key.cells, at_risk))
+        kc, labels = self._classes_of(key)
+        data = self._bank.pool(labels, len(kc.names), at_risk)
+        if key in self._key_classes:
+            for d, g in zip(data, kc.lookups):
                 # At most the finest classes' sum (a retired finest class
                 # takes its lookups along; the key keeps its count by name).
                 d.groups = min(g, d.groups)
-        drift = self._drift.get(key) if isinstance(key, FeatureKey) else None
+        drift = self._drift.get(key)
         if drift is not None:
-            data = [drift.view(name, d) for name, d in zip(names, data)]
-        return dict(zip(names, data))
+            data = [drift.view(name, d) for name, d in zip(kc.names, data)]
+        return dict(zip(kc.names, data))
+
+    @staticmethod
+    def _pooled_cells(key: LearnedKey, cells: dict[str, SurvivalData]) -> dict[str, SurvivalData]:
+        """A learned key's classes' observations: its cells' data summed by its table."""
+        members: dict[str, list[SurvivalData]] = {}
+        for cell, d in cells.items():
+            members.setdefault(key.class_of(cell), []).append(d)
+        return {name: pooled(*ds) for name, ds in members.items()}
 
     def _learn_key(self, cand: Candidate, at_risk: AtRisk) -> dict[str, SurvivalData]:
         """Re-learn a learned key's table; returns its classes' observations."""
@@ -586,10 +592,7 @@ class WAController:
         if table != key.table:
             key = cand.key = LearnedKey(key.cells, table)
             cand.shadow.set_key(key)
-        members: dict[str, list[SurvivalData]] = {}
-        for cell, d in cells.items():
-            members.setdefault(key.class_of(cell), []).append(d)
-        return {name: pooled((), *ds) for name, ds in members.items()}
+        return self._pooled_cells(key, cells)
 
     def _fit_candidate(
         self,
@@ -697,7 +700,7 @@ class WAController:
 
     def pin(self, params: WAParams, features: tuple[str, ...] | None = None) -> None:
         """Run fixed parameters (learning continues); validated by the caller."""
-        key = FeatureKey(tuple(features)) if features is not None else FeatureKey(("tag",))
+        key = FeatureKey(tuple(features)) if features is not None else DEFAULT_KEY
         with self._swap_lock:
             before = (self.pinned, self._pinned_key, self._applied_candidate)
             self.pinned = params.evolve(source="pinned")
@@ -725,7 +728,7 @@ class WAController:
     def class_estimates(self) -> dict[str, dict[str, Any]]:
         """Per-class estimates under the active candidate's key, with sample counts."""
         cand = self.candidates[self.active]
-        key = cand.key or FeatureKey(("tag",))
+        key = cand.key or DEFAULT_KEY
         out: dict[str, dict[str, Any]] = {}
         for name, d in sorted(self._class_data(key, None).items()):
             m = self.params.models.get(name) if self.params else None
@@ -830,16 +833,14 @@ class WAController:
         """What each key's drifts forgot, per class (at most a checkpoint's worth)."""
         out = []
         for key, drift in self._drift.items():
-            _, labels = self._key_labels(key)
-            index, counted = self._labels[key][1], self._labels[key][3]
+            kc, _ = self._classes_of(key)
             for name, held in drift.cuts().items():
-                i = index.get(name)
+                i = kc.index.get(name)
                 if i is None:
                     continue
                 # The lookups forgot too: the finest rows' sum less the key's count.
-                rows = np.flatnonzero(labels == i)
-                lookups = sum(self._bank.rows[f].groups for f in rows.tolist())
-                out.append((key.features, name, SurvivalData(held[0], held[1], max(0.0, lookups - counted[i]))))
+                lookups = self._bank.sum_groups(kc.rows(i))
+                out.append((key.features, name, SurvivalData(held[0], held[1], max(0.0, lookups - kc.lookups[i]))))
         return tuple(out[:CHECKPOINT_MAX_CLASSES])
 
     def load_checkpoint(self, path: str) -> bool:
@@ -855,31 +856,25 @@ class WAController:
         if ckpt is None:
             return False
         for comps, d in ckpt.classes:
-            row = self._bank.rows[self._fine_id(comps)]
-            row.events[:] = d.events
-            row.censored[:] = d.censored
-            row.groups = d.groups
+            # Filed as this run files a block: its features folded as the
+            # candidates configured now fold them; rows that land together add up.
+            row = self._bank.rows[self._fine_id(self._folded(comps))]
+            row += d
         # The checkpoint keeps lookups per finest class only: each key starts
         # from their sum (at most one per class spanned), and counts exactly from here.
-        for key, (names, _, _, groups) in self._labels.items():
-            _, labels = self._key_labels(key)
-            groups[:] = [0.0] * len(names)
-            for fid, label in enumerate(labels.tolist()):
-                groups[label] += self._bank.rows[fid].groups
+        for kc in self._key_classes.values():
+            kc.extend(self._fine)
+            kc.lookups[:] = [self._bank.sum_groups(kc.rows(i)) for i in range(len(kc.names))]
         # What earlier drifts forgot, for the keys and classes configured now,
         # at most each class's data as restored.
         for features, name, d in ckpt.drift_cuts:
-            key = FeatureKey(features)
-            if key not in self._labels:
-                continue
-            _, labels = self._key_labels(key)
-            i = self._labels[key][1].get(name)
+            kc = self._key_classes.get(FeatureKey(features))
+            i = None if kc is None else kc.index.get(name)
             if i is None:
                 continue
-            pooled_now = self._bank.sum_rows(np.flatnonzero(labels == i))
-            self._drift_of(key).restore(name, np.minimum(np.stack((d.events, d.censored)), pooled_now))
-            counted = self._labels[key][3]
-            counted[i] = max(0.0, counted[i] - d.groups)
+            pooled_now = self._bank.sum_rows(kc.rows(i))
+            self._drift_of(kc.key).restore(name, np.minimum(np.stack((d.events, d.censored)), pooled_now))
+            kc.lookups[i] = max(0.0, kc.lookups[i] - d.groups)
         # The saved active candidate is not trusted: the tuner starts on LRU and
         # re-confirms a candidate on this traffic before promoting it, against
         # the bar the real-cache check raised for it (unless the check is now

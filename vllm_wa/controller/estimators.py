@@ -15,7 +15,7 @@ pooled class's reuse model, warm-started, and only when its data moved.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +150,10 @@ class SurvivalBank:
         """The (events, censored) counts of ``rows`` summed, shape ``(2, NUM_BINS)``."""
         return self._counts[rows].sum(axis=0) if len(rows) else np.zeros((2, NUM_BINS))
 
+    def sum_groups(self, rows: np.ndarray) -> float:
+        """The lookups of ``rows`` summed, one row after the other."""
+        return float(sum(self.rows[f].groups for f in rows.tolist()))
+
     def decay(self, factor: float) -> None:
         """``SurvivalData.decay(factor)`` of every row."""
         self._counts[: len(self.rows)] *= factor
@@ -178,12 +182,10 @@ class SurvivalBank:
         return [SurvivalData(events[i], censored[i], float(groups[i])) for i in range(num_classes)]
 
 
-def pooled(estimators: Iterable[ReuseEstimator], *extra: SurvivalData) -> SurvivalData:
-    """The observations of several classes (and of ``extra`` data) as one class."""
+def pooled(*data: SurvivalData) -> SurvivalData:
+    """The observations of several classes as one class."""
     out = SurvivalData()
-    for est in estimators:
-        out += est.data
-    for d in extra:
+    for d in data:
         out += d
     return out
 

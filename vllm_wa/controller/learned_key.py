@@ -58,10 +58,6 @@ class LearnedKey:
     def class_of(self, cell: str) -> str:
         return self._lookup.get(cell, FALLBACK)
 
-    def name_of(self, comps: tuple[Any, ...]) -> str:
-        """Class of a finest-class tuple (the controller pools its data by it)."""
-        return self.class_of(self.cells.name_of(comps))
-
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
         return self.class_of(self.cells(request, position, reuse_count))
 
