@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_wa.params import ClassScorer, ParamsError, ReuseModel, WAParams, params_changed, time_to_live
+from vllm_wa.params import MAX_MIXTURE_COMPONENTS, ClassScorer, ParamsError, ReuseModel, WAParams, params_changed, time_to_live
 from vllm_wa.workload_classes import ClassRegistry, TagCounters, normalize_tag
 
 
@@ -69,6 +69,22 @@ def test_mixture_round_trip_and_effective_rate():
 def test_bad_params_are_rejected_with_a_clear_message(bad, msg):
     with pytest.raises(ParamsError, match=msg):
         WAParams.from_pr_json(bad)
+
+
+def test_rates_near_the_ends_of_the_float_range_give_finite_numbers_not_an_overflow():
+    """Each number is finite and in range; their sums are not (``math.fsum`` raises)."""
+    slow = WAParams.from_pr_json({"a": {"x": 1}, "p": {"x": 1}, "default": [[1, 0.1]],
+                                  "mixture": {"x": [[0.5, 3e-309], [0.5, 3e-309]]}})
+    assert slow.models["x"].a == 0.0 and slow.to_pr_json()["a"]["x"] == 0.0  # a mean delay past the range
+    fast = WAParams.from_pr_json({"a": {"x": 1e308, "y": 1e308}, "p": {"x": 1, "y": 1}})
+    assert fast.default.a == pytest.approx(1e308)
+    assert WAParams.from_pr_json(json.dumps(fast.to_pr_json())).models == fast.models
+
+
+def test_a_model_has_at_most_max_mixture_components():
+    assert len(ReuseModel((1 / 16,) * 16, (0.1,) * 16).weights) == MAX_MIXTURE_COMPONENTS
+    with pytest.raises(ParamsError, match="at most 16 components"):
+        ReuseModel((1 / 17,) * 17, (0.1,) * 17)
 
 
 def test_numbers_are_floats_and_versions_fit_int64():

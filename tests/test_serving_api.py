@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -108,20 +109,50 @@ def test_a_pin_shows_in_the_next_get(engine):
 
 @pytest.mark.parametrize("params", [
     {"a": {"agent_1": 1e-300}, "p": {"agent_1": 1e-30}, "mode": "ttl"},
+    # Rates whose sum (the default model's mean) overflows the float range.
+    {"a": {"agent_1": 1e308, "chat_1": 1e308}, "p": {"agent_1": 1, "chat_1": 1}, "mode": "pr"},
+    # A mixture whose mean delay overflows it.
+    {"a": {"agent_1": 1}, "p": {"agent_1": 1}, "mixture": {"agent_1": [[0.5, 3e-309], [0.5, 3e-309]]},
+     "default": [[1, 0.1]], "mode": "posterior"},
 ])
 def test_a_pin_of_extreme_but_valid_numbers_is_applied_and_refits_go_on(engine, params):
     """Each number passes its own check; together they once made a time to live
-    of log(0): the pin's swap failed, the engine said "pinned" over its old
-    parameters, and every refit failed after it."""
+    of log(0), and sums past the float range once made a 500 (an overflow in
+    the pooled default), a 503 (in the engines' copy of the pin) and a failure
+    of every refit after it (in the published state)."""
     app, _, _ = make_app([engine], SETTINGS)
     with TestClient(app) as http:
         r = http.put("/wa/params", json={"params": params}, headers=AUTH)
         assert r.status_code == 200, r.text
-    c = engine.controller
-    assert c.pinned is not None and c.params.mode == "ttl"
-    engine.clock.advance(2.0)
-    c.refit()
-    assert c.errors == 0 and c.params.mode == "ttl"
+        c = engine.controller
+        assert c.pinned is not None and c.params.mode == params["mode"]
+        engine.clock.advance(2.0)
+        c.refit()
+        assert c.errors == 0 and c.params.mode == params["mode"], c.last_error
+        assert http.get("/wa/params", headers=AUTH).json()["engines"][0]["mode"] == "pinned"
+
+
+def test_a_pin_with_more_mixture_components_than_a_fit_makes_is_refused(engine):
+    """Every free-list head's score sums over its model's components on the
+    engine thread: a pin within the body limit could otherwise carry
+    thousands and slow every request."""
+    app, client, _ = make_app([engine], SETTINGS)
+    heavy = [[0, 1]] * 18_000  # within the body limit
+    with TestClient(app) as http:
+        r = http.put("/wa/params", json={"params": {"a": {}, "p": {}, "default": heavy}}, headers=AUTH)
+        assert r.status_code == 422 and "at most 16 components" in r.json()["error"], r.text
+    assert client.calls["wa_set_params"] == 0
+
+
+def test_a_pin_on_an_engine_without_vllm_wa_is_a_conflict_not_a_server_error(engine):
+    """vLLM turns prefix caching off by itself for some models; such an engine
+    runs without vllm-wa, says so on GET, and refuses a pin with 409."""
+    app, client, _ = make_app([engine], SETTINGS)
+    client.engines = [SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace()))]
+    with TestClient(app, raise_server_exceptions=False) as http:
+        assert http.get("/wa/params", headers=AUTH).json()["engines"] == [{"enabled": False}]
+        r = http.put("/wa/params", headers=AUTH, json={"mode": "auto"})
+    assert r.status_code == 409 and "not enabled" in r.json()["error"], r.text
 
 
 def test_pins_cross_vllms_msgpack_channel_as_parsed(engine):

@@ -53,6 +53,10 @@ DEFAULT_HORIZON_S = 5.0
 # Parameter versions fit a signed 64-bit integer: vLLM's msgpack channel
 # between engine and API server carries nothing larger.
 MAX_VERSION = 2**63 - 1
+# Components of one reuse model: a fitted mixture has at most 10 (plus the
+# never-reused mass); every free-list head's score sums over them on the
+# engine thread, so a pin or a file cannot make one class cost more.
+MAX_MIXTURE_COMPONENTS = 16
 _NEG_INF = float("-inf")
 # Upper bound of the idle-time search when inverting a score (about 30 years).
 _MAX_IDLE_S = 1e9
@@ -85,6 +89,8 @@ class ReuseModel:
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.rates) or not self.weights:
             raise ParamsError("a reuse model needs as many weights as rates, at least one")
+        if len(self.weights) > MAX_MIXTURE_COMPONENTS:
+            raise ParamsError(f"a reuse model has at most {MAX_MIXTURE_COMPONENTS} components, got {len(self.weights)}")
         # Stored as floats, whatever numbers came in (see WAParams.horizon).
         object.__setattr__(self, "weights", tuple(_check_number("reuse probability", w, hi=1.0) for w in self.weights))
         object.__setattr__(self, "rates", tuple(_check_number("reuse rate", a) for a in self.rates))
@@ -108,8 +114,11 @@ class ReuseModel:
         p = self.p
         if p <= 0.0:
             return 0.0
-        mean = math.fsum(w / r for w, r in zip(self.weights, self.rates) if r > 0)
         if any(r == 0 and w > 0 for w, r in zip(self.weights, self.rates)):
+            return 0.0
+        try:
+            mean = math.fsum(w / r for w, r in zip(self.weights, self.rates) if r > 0)
+        except OverflowError:  # a mean delay past the float range: as good as never
             return 0.0
         return p / mean if mean > 0 else 0.0
 
@@ -503,5 +512,8 @@ def pooled_model(models: Any) -> ReuseModel:
     """A neutral model for classes the params do not name: the classes' mean."""
     models = list(models)
     p = math.fsum(m.p for m in models) / len(models)
-    a = math.fsum(m.a for m in models) / len(models)
+    try:
+        a = math.fsum(m.a for m in models) / len(models)
+    except OverflowError:  # rates near the float range: their mean without the sum
+        a = math.fsum(m.a / len(models) for m in models)
     return ReuseModel.exponential(p, a)

@@ -164,7 +164,8 @@ def wa_set_params(self: Any, body: dict[str, Any]) -> dict[str, Any]:
     """Pin parameters (``{"params": <PR json>, "features": [...]}``) or ``{"mode": "auto"}``."""
     ewa = _engine_wa(self)
     if ewa is None:
-        return {"ok": False, "error": "vllm-wa is not enabled on this engine"}
+        # (Prefix caching off, which vLLM decides for some models: nothing to pin.)
+        return {"ok": False, "error": "vllm-wa is not enabled on this engine", "status": 409}
     if not ewa.settings.allow_pin:
         return {"ok": False, "error": "pinning is disabled (start with --wa-allow-pin)", "status": 403}
     try:
