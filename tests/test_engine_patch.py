@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from vllm.v1.request import RequestStatus
 
 from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue, block_tagger
@@ -22,6 +22,7 @@ from vllm_wa.engine_patch.install import (
     uninstall_wa_queue,
 )
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
+from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
 from conftest import finish, make_hybrid_manager, make_manager, make_request, run_prefill
@@ -438,6 +439,37 @@ def test_late_outcomes_keep_a_bounded_number_of_reported_blocks(clock, monkeypat
     assert outcomes["r0"] == outcomes["r1"] == ()
     assert [pos for pos, _, _ in outcomes["r2"]] == [0, 1, 2]
     uninstall_wa_queue(m.block_pool)
+
+
+def test_the_tagger_keeps_the_blocks_of_the_releases_it_remembers_only():
+    """A release that leaves the late-fact memory (``remember_finished``) gives
+    its blocks back, reported ones included: under a 1/64 sample a release
+    reports a block or two, so the reported-blocks cap alone kept 16 times
+    the releases remembered (each with all its block ids and hashes)."""
+    clock = SettableClock()
+    blocks = [KVCacheBlock(i) for i in range(4000)]
+    sink = EventSink(capacity=1 << 20, sample_rate=1 / 64)
+    queue = WorkloadAwareFreeQueue(blocks, clock=clock, sink=sink)
+    tagger = block_tagger.BlockTagger(queue, blocks, sink=sink, remember_finished=16)
+    digest = 0
+    for r in range(2000):
+        clock.advance(1.0)
+        held = queue.popleft_n(40)
+        for b in held:
+            digest += 1
+            b._block_hash = digest.to_bytes(8, "little") * 4  # bytes, as vLLM's hashes
+            b.ref_cnt = 1
+        tagger.on_free(block_tagger.RequestTags(f"req-{r}"), held)
+        for b in held:
+            b.ref_cnt = 0
+        queue.append_n(held[::-1])
+        sink.drain()
+    remembered = [rec for recs in tagger._finished.values() for rec in recs]
+    assert len(remembered) == 16
+    held_ids = sum(len(g) for rec in {id(r): r for r in [*remembered, *tagger._reporting]}.values() for g in rec.block_ids)
+    assert held_ids == 16 * 40
+    assert tagger._reported_blocks == sum(len(rec.reported) for rec in remembered) > 0
+    assert len(tagger._reporting) <= 16
 
 
 def test_wa_params_change_eviction_order_in_the_pool(clock):

@@ -480,19 +480,31 @@ class BlockTagger:
         hashes = [[b._block_hash for b in blocks] for blocks in groups]
         recs = self._finished.get(key)
         if recs is None or len(recs) >= 16:
+            if recs:
+                self._forget(recs)
             recs = self._finished[key] = []
         rec = _FreedRequest(req, serial, ids, hashes, now, reported)
         recs.append(rec)
-        if reported:
-            self._reporting.append(rec)
-            self._reported_blocks += len(reported)
-            while self._reported_blocks > MAX_REPORTED_BLOCKS:
-                old = self._reporting.popleft()
-                self._reported_blocks -= len(old.reported)
-                old.reported = ()
         self._finished.move_to_end(key)
         while len(self._finished) > self._remember:
-            self._finished.popitem(last=False)
+            self._forget(self._finished.popitem(last=False)[1])
+        reporting = self._reporting
+        if reported:
+            reporting.append(rec)
+            self._reported_blocks += len(reported)
+        while reporting and (self._reported_blocks > MAX_REPORTED_BLOCKS or not reporting[0].reported):
+            old = reporting.popleft()
+            self._reported_blocks -= len(old.reported)
+            old.reported = ()
+
+    def _forget(self, recs: list[_FreedRequest]) -> None:
+        """Drop releases no late fact can reach any more: their blocks and
+        their share of the reported ones (they leave ``_reporting`` when they
+        reach its head)."""
+        for rec in recs:
+            self._reported_blocks -= len(rec.reported)
+            rec.reported = ()
+            rec.block_ids = rec.block_hashes = []
 
     def file_blocks(
         self,
