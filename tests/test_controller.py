@@ -16,7 +16,7 @@ from vllm_wa.controller.class_drift import LookupDrift
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, forgetting_factor, pooled
-from vllm_wa.controller.features import FeatureKey
+from vllm_wa.controller.features import FEATURES, FOLDED, FeatureKey
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.survival import (
     _C_LIK,
@@ -40,6 +40,7 @@ from vllm_wa.engine_patch.events import (
     FinishedEvent,
     FreedEvent,
     LookupEvent,
+    OutcomeEvent,
 )
 from vllm_wa.engine_patch.install import install_wa_queue, uninstall_wa_queue
 from vllm_wa.params import ReuseModel, WAParams
@@ -291,6 +292,8 @@ def test_refit_learns_classes_and_swaps_params():
     st = c.state()
     assert {"tool.o:tool", "human.o:stop"} <= set(st["classes"])
     assert st["classes"]["tool.o:tool"]["reuses"] > 0
+    assert st["reuses_seen"] >= st["ghost_reuses"] >= 0 and st["reuses_seen"] > 0
+    assert st["watches_censored"] >= 0
     assert json.loads(json.dumps(st)) == st  # plain JSON for /wa/params
     assert len(st["candidates"]) == len(ControllerConfig().all_candidates)
     assert any(cand["name"] == "lru" for cand in st["candidates"])
@@ -554,6 +557,23 @@ def test_past_the_finest_class_cap_new_classes_keep_their_tag_and_outcome(monkey
     assert FeatureKey(("tag", "outcome")).name_of(c._fine[folded]) == "fresh.o:tool"
 
 
+def test_a_freed_block_filed_under_a_folded_class_is_counted_once(monkeypatch):
+    """``finest_folded`` counts freed blocks: a late outcome that refiles one
+    (or a checkpoint row) is not another block."""
+    import vllm_wa.controller.controller as mod
+
+    monkeypatch.setattr(mod, "MAX_FINE_CLASSES", 4)
+    c = WAController(small_config(), 200, Applied(), EventSink(capacity=16), clock=lambda: 0.0)
+    for i in range(4):
+        c.process([FreedEvent(EventKind.FREED, 1.0, f"b{i}", RequestTags(f"r{i}", f"t{i}", "stop"), 0, 0)])
+    assert c.finest_folded == 0
+    late = RequestTags("late", "fresh", "stop")
+    c.process([FreedEvent(EventKind.FREED, 2.0, "x", late, 0, 0)])
+    assert c.finest_folded == 1
+    c.process([OutcomeEvent(EventKind.OUTCOME, 3.0, RequestTags("late", "fresh", "tool"), 2.0, ((0, "x", 0),))])
+    assert c.finest_folded == 1
+
+
 def test_finest_classes_unused_for_the_retire_time_give_their_slots_back(monkeypatch):
     """A server whose tags change: once the table is half full, a finest class
     with nothing freed into it, reused or censored for ``class_retire_s`` and
@@ -617,8 +637,8 @@ def test_reading_the_state_counts_nothing_under_a_key_no_candidate_uses():
     the tag alone; reading it (every refit, for /wa/params) must not start
     counting lookups or detecting drifts under that key."""
     spec = CandidateSpec(("outcome",), "exponential", "posterior", 10.0)
-    runs = {}
-    for publish in (True, False):
+
+    def run(publish: bool) -> WAController:
         sink = EventSink(capacity=100000)
         clock = [0.0]
         cfg = small_config(candidates=(spec,), initial="lru", tuner_enabled=False)
@@ -626,8 +646,9 @@ def test_reading_the_state_counts_nothing_under_a_key_no_candidate_uses():
         for _ in range(3):
             clock[0] = feed(sink, clock[0])
             c.refit()
-        runs[publish] = c
-    read, unread = runs[True], runs[False]
+        return c
+
+    read, unread = run(True), run(False)
     assert set(read.state()["drifts"]) == set(unread.state()["drifts"]) == {"outcome"}
     assert set(read._key_classes) == {FeatureKey(("outcome",))}
     assert read.state()["classes"] == unread.state()["classes"]
@@ -772,6 +793,28 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, caplog):
         assert other.params.source == "prior" and not len(other._bank)
     assert WAController(small_config(), 200, Applied(), EventSink()).load_checkpoint(str(tmp_path / "none")) is False
     assert "ignoring checkpoint" in caplog.text
+
+
+def test_a_checkpoint_is_filed_as_this_run_files_blocks(tmp_path):
+    """A checkpoint written under candidates that used more features is read
+    into the finest classes this run's blocks go to (the unused features
+    folded), and rows that fold together add up instead of overwriting."""
+    wide = small_config(candidates=(CandidateSpec(("tag", "outcome", "reuse")),), initial="lru")
+    narrow = small_config(candidates=(CandidateSpec(("tag", "outcome")),), initial="lru")
+    sink = EventSink(capacity=100000)
+    clock = [0.0]
+    c = WAController(wide, 200, Applied(), sink, clock=lambda: clock[0])
+    clock[0] = feed(sink, 0.0)
+    c.refit()
+    path = tmp_path / "ckpt.json"
+    assert c.save_checkpoint(str(path))
+    fresh = WAController(narrow, 200, Applied(), EventSink(), clock=lambda: clock[0])
+    assert fresh.load_checkpoint(str(path))
+    used = {FEATURES.index("tag"), FEATURES.index("outcome")}
+    assert all(v == FOLDED for comps in fresh._fine for i, v in enumerate(comps) if i not in used)
+    assert len(fresh._fine) < len(c._fine)
+    assert sum(r.n_events for r in fresh._bank.rows) == pytest.approx(sum(r.n_events for r in c._bank.rows))
+    assert sum(r.groups for r in fresh._bank.rows) == pytest.approx(sum(r.groups for r in c._bank.rows))
 
 
 def test_checkpoint_written_atomically_by_the_job(tmp_path):

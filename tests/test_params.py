@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_wa.params import MAX_MIXTURE_COMPONENTS, ClassScorer, ParamsError, ReuseModel, WAParams, params_changed, time_to_live
+from vllm_wa.params import (
+    MAX_MIXTURE_COMPONENTS,
+    ClassScorer,
+    ParamsError,
+    ReuseModel,
+    WAParams,
+    params_changed,
+    time_to_live,
+)
 from vllm_wa.workload_classes import ClassRegistry, TagCounters, normalize_tag
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from vllm_wa.controller.estimators import FAMILIES
 from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES, FeatureKey
 from vllm_wa.controller.learned_key import MAX_LEARNED_CLASSES
 from vllm_wa.controller.tuner import TunerSettings
@@ -17,7 +18,6 @@ from vllm_wa.params import SCORE_MODES, STAMPS
 from vllm_wa.validation import check_number
 from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES, MAX_CLASS_CAP
 
-FAMILIES = ("exponential", "hyperexponential")
 # What the miniature caches see: hash-sampled blocks of every prompt, or the
 # whole chains of hash-sampled conversations.
 SHADOW_SAMPLING = ("block", "chain")

@@ -39,8 +39,8 @@ from vllm_wa.controller.checkpoint import (
     write_checkpoint,
 )
 from vllm_wa.controller.class_drift import ClassDrift
-from vllm_wa.controller.config import FAMILIES, CandidateSpec, ControllerConfig
-from vllm_wa.controller.estimators import ModelFit, SurvivalBank, forgetting_factor, pooled
+from vllm_wa.controller.config import CandidateSpec, ControllerConfig
+from vllm_wa.controller.estimators import FAMILIES, ModelFit, SurvivalBank, forgetting_factor, pooled
 from vllm_wa.controller.features import FEATURES, FINEST, FOLDED, FeatureKey
 from vllm_wa.controller.key_classes import KeyClasses
 from vllm_wa.controller.learned_key import LearnedKey, assign
@@ -798,6 +798,12 @@ class WAController:
             "finest_classes_retired": self.finest_retired,
             "finest_folded": self.finest_folded,
             "watched_blocks": len(self.tracker.watch),
+            # Reuses of watched blocks, those of them found in the ghost table
+            # (evicted first: what an uncensored estimate would miss), and
+            # watches that ended without one.
+            "reuses_seen": self.tracker.reuses,
+            "ghost_reuses": self.tracker.ghost_reuses,
+            "watches_censored": self.tracker.censored,
             "ghost_blocks": len(self.tracker.ghost),
             "sample_rate": self.sink.sample_rate,
         }

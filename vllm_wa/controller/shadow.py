@@ -54,8 +54,6 @@ class ShadowCache:
         # blocks but loses their prefix gains nothing, as in the real cache.
         self.cache = SimPrefixCache(max(2, num_blocks), self._make_queue, last_block_hits=True)
         self.cache.hooks = self.tagger
-        self.hits = 0
-        self.lookups = 0
         self.overflow = 0
         self._tags: dict[str, str] = {}
         self._since: dict[str, float] = {}  # request -> when it was admitted
@@ -96,8 +94,6 @@ class ShadowCache:
         else:
             self._tags[request_id] = tag
             self._since[request_id] = t
-        self.hits += n_hit
-        self.lookups += len(hashes)
         return n_hit
 
     def finish(self, request_id: str, request: RequestTags | None, t: float) -> None:

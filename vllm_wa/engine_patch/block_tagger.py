@@ -333,14 +333,7 @@ class BlockTagger:
         sink = self.sink
         if sink is None:
             return
-        if sink.lookup_hashes == "none":
-            hashes: tuple = ()
-            real_hits = 0
-        elif sink.lookup_hashes == "all":
-            hashes = tuple(block_hashes)
-            real_hits = len(hit_blocks)
-        else:
-            hashes, real_hits = self._sampled_hashes(hit_blocks, block_hashes)
+        hashes, real_hits = self._sampled_hashes(hit_blocks, block_hashes)
         chain: tuple = ()
         if timing is not None and sink.chain_sampled(timing.conversation):
             chain = tuple(block_hashes[timing.start :])

@@ -110,8 +110,8 @@ class LookupEvent(NamedTuple):
     time: float
     request_id: str
     tag: str
-    hashes: tuple[tuple[int, Any], ...]
-    chain: tuple[tuple[int, Any], ...]
+    hashes: tuple[Any, ...]
+    chain: tuple[Any, ...]
     real_hits: int | None = None
 
 
@@ -177,7 +177,6 @@ class EventSink:
 
     capacity: int = 1 << 16
     sample_rate: float = 1.0
-    lookup_hashes: str = "sampled"  # "all", "sampled" or "none"
     # Share of conversations whose whole chain goes to the miniature caches
     # (None: no chain sampling; they then use the hash-sampled blocks).
     chain_rate: float | None = None
@@ -190,7 +189,6 @@ class EventSink:
     # another value draws another sample of the same size (a replay measures
     # how much a result owes to the sample drawn).
     salt: int = 0
-    emitted: int = 0
     dropped: int = 0
     _queue: deque = field(default_factory=deque, repr=False)
 
@@ -199,8 +197,6 @@ class EventSink:
             raise ValueError(f"capacity must be a positive integer, got {self.capacity!r}")
         if not 0.0 < float(self.sample_rate) <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
-        if self.lookup_hashes not in ("all", "sampled", "none"):
-            raise ValueError(f"lookup_hashes must be all, sampled or none, got {self.lookup_hashes!r}")
         self._threshold = int(float(self.sample_rate) * (1 << 64))
         self._samples_all = self._threshold >= (1 << 64)
         if self.chain_rate is not None and not 0.0 < float(self.chain_rate) <= 1.0:
@@ -284,7 +280,6 @@ class EventSink:
             self.dropped += 1
             return False
         q.append(event)
-        self.emitted += 1
         return True
 
     def drain(self, max_events: int | None = None) -> list[Event]:
