@@ -414,8 +414,7 @@ class Tuner:
         s = self.settings
         if self.active == LRU:
             return None
-        since = max(now - s.demote_window_s, self.active_since)
-        checks = [("demote", self.hits.compare(LRU, self.active, since))]
+        checks = [("demote", self.hits.compare(LRU, self.active, self._running_window(now)))]
         if s.real_check and self.real_check_since <= now:
             real_since = max(now - s.demote_window_s, self.real_check_since)
             checks.append(("real-check", self.calibration.lead_over_real(real_since, self.active)))
@@ -426,6 +425,11 @@ class Tuner:
             if lb > s.margin:
                 return reason, cmp, lb
         return None
+
+    def _running_window(self, now: float) -> float:
+        """Where the running candidate's demotion window starts: the last
+        ``demote_window_s`` seconds, none of it before the candidate ran."""
+        return max(now - self.settings.demote_window_s, self.active_since)
 
     def _t_quantile(self, confidence: float, batches: int) -> float:
         """One-sided Student's t quantile for a mean of ``batches`` batch means
@@ -455,17 +459,13 @@ class Tuner:
                 # Its miniature cache overstates it: later leads are discounted by as much.
                 overstated = self.calibration.overstatement(self.real_check_since, self.active)
                 self.overstated[self.active] = max(0.0, overstated)
-            self.evidence_since[self.active] = now
-            self.demotions += 1
-            return self._switch(now, LRU, reason, cmp, lb)
+            return self._demote(now, reason, cmp, lb)
         promote = self._promotion(now)
         if promote is not None:
             name, cmp, lb = promote
             if name == LRU:
                 # LRU's full-window lead: back to the guard-rail, as a demotion.
-                self.evidence_since[self.active] = now
-                self.demotions += 1
-                return self._switch(now, LRU, "demote", cmp, lb)
+                return self._demote(now, "demote", cmp, lb)
             self.promotions += 1
             return self._switch(now, name, "promote", cmp, lb)
         replace = self._replacement(now)
@@ -476,12 +476,18 @@ class Tuner:
             return self._switch(now, name, "replace", cmp, lb)
         return None
 
+    def _demote(self, now: float, reason: str, cmp: Comparison, lb: float) -> Switch:
+        """Back to LRU; the demoted candidate's evidence starts again from now."""
+        self.evidence_since[self.active] = now
+        self.demotions += 1
+        return self._switch(now, LRU, reason, cmp, lb)
+
     def _replacement(self, now: float) -> tuple[str, Comparison, float] | None:
         """The candidate that beats the running (non-LRU) one over the demotion window, if any does."""
         s = self.settings
         if self.active == LRU or not s.replace_confidence:
             return None
-        since = max(now - s.demote_window_s, self.active_since)
+        since = self._running_window(now)
         others = [n for n in self.names if n != self.active and n != LRU]
         if not others or not self._trails_the_field(others, since):
             return None
