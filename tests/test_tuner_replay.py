@@ -15,7 +15,7 @@ def test_on_a_trace_no_feature_predicts_the_tuner_stays_on_lru():
     every candidate orders blocks as LRU does: no lead to promote on. Before
     that test, one promotion on a 3.7 % miniature-cache lead that held for
     15 minutes (noisy per-class fits) cost 0.63 points. Seed 0 here;
-    ``benchmarks/no_signal.py`` runs other seeds (README "No signal").
+    ``benchmarks/no_signal.py`` runs other seeds (docs/results.md, "No signal").
     """
     trace = no_signal_trace()
     config = small_trace_controller()

@@ -12,7 +12,7 @@ room in the real cache only), so the number to watch is whether the gap
 between prediction and the real cache moves when the running candidate
 changes: a candidate whose real hit rate falls further below its
 prediction than LRU's did is one the miniature caches misjudge
-(README, "Miniature-cache fidelity").
+(docs/benchmarks.md, "Miniature-cache fidelity").
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def _default_candidates() -> tuple[CandidateSpec, ...]:
         # How often the block was reused and how much the prompt grew since the
         # previous turn, each class one exponential law: on the Mooncake trace
         # (no tags, no outcomes) at 15 % of unique blocks it reads 28.99 run
-        # alone, the hyperexponential reuse-count key 28.43 (README, "Mooncake").
+        # alone, the hyperexponential reuse-count key 28.43 (docs/results.md, "Mooncake").
         CandidateSpec(("tag", "outcome", "reuse", "growth"), "exponential", "posterior", 10.0),
         # When the conversation comes back: the engine's think time before the
         # turn that freed the block (a tool result returns in seconds, a person

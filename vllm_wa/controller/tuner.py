@@ -37,7 +37,7 @@ with a batch-means standard error.
   LRU's order: with that test off, nine candidates compared at every refit
   against this per-look bar promoted on noise on four seeds of six of a
   dense memoryless trace, all four past the guard-rail's time bound and two
-  past its hit-rate bound (README, "No signal"; with ``margin`` three, one
+  past its hit-rate bound (docs/results.md, "No signal"; with ``margin`` three, one
   past both).  On the Mooncake trace at 15 % of unique blocks the
   reuse-count candidate led LRU's miniature cache by 1.0 to 1.5 points
   (standard error 0.3 to 0.5) from t = 2,300 s, and the mixture bar kept
@@ -49,7 +49,7 @@ with a batch-means standard error.
   there through the prompt's growth, cleared the per-candidate bar on a
   2.1-point lead over 502 requests at 3,790 s and ran for 48 % of the
   trace (+0.11 points); with the split bar it stays on LRU, and the real
-  replays of the three development traces read the same (README, "Mooncake:
+  replays of the three development traces read the same (docs/results.md, "Mooncake:
   reuse and growth").  A move between two non-LRU candidates keeps the
   per-candidate bar: split there too (as on 2026-12-04), it held back the
   agentic split's move at 15 % on another arrangement (``--seed 2``) by

@@ -7,7 +7,7 @@ reuse law as any other and the chance of a reuse only falls with a block's
 idle time: on those keys a workload-aware order can only match LRU's up to the
 noise of its fits. The one signal left is a conversation's length (3 to 8
 turns), which a key with the turn count can read a little of: with a looser
-class test such keys ended up to 0.40 points above LRU here (README, "No
+class test such keys ended up to 0.40 points above LRU here (docs/results.md, "No
 signal"). A tuner that promotes on the default class test promoted on noise.
 With geometric lengths (``lengths="geometric"``) that signal is gone too.
 """
