@@ -322,12 +322,27 @@ def test_tlru_trims_conversation_tails_before_older_heads():
     assert (lru, tlru) == (2, 4)
 
 
-def test_tlru_with_a_huge_budget_is_recency_order():
-    h = Harness(peer("tlru", 1000.0), 18)  # xi = 10M tokens: nothing is TEL-safe
-    h.run(list(range(1, 9)), 1.0)
-    h.run(list(range(11, 19)), 2.0)
-    h.run(list(range(30, 38)), 3.0)
-    assert h.run([1, 2, 3, 4, 99], 4.0) == 2
+def tel_safe(h: Harness) -> list[bool]:
+    """Whether each cached block of a ``tlru`` harness is TEL-safe (evicted first)."""
+    q = h.policy.queue
+    return [(q.priority(bid) >> q.id_bits) < (1 << 40) for bid in range(len(q.history_len)) if q.key_of[bid] is not None]
+
+
+def test_tlru_at_either_end_of_its_budget_marks_every_block_or_none():
+    """A budget past every history makes every block TEL-safe (then recency
+    decides, as in LRU); a zero budget, none past the prompt's own length."""
+    def script(h):
+        h.run(list(range(1, 9)), 1.0)
+        h.run(list(range(11, 19)), 2.0)
+        h.run(list(range(30, 38)), 3.0)
+        return h.run([1, 2, 3, 4, 99], 4.0)
+
+    huge = Harness(peer("tlru", 1000.0), 18)  # xi = 10M tokens
+    assert script(huge) == 2
+    assert all(tel_safe(huge)) and tel_safe(huge)
+    none = Harness(peer("tlru", 0.0), 18)
+    script(none)
+    assert not any(tel_safe(none))
 
 
 def test_session_evicts_the_least_touched_session_tail_first():
@@ -358,6 +373,25 @@ def test_session_merges_continuations_and_seeds_fresh_sessions_from_ghosts():
     # plus the touch the connector sends right after the store.
     assert fresh.hits == pytest.approx((1.0 / 1.0 + 1.0 / 1.5849625007211563) / 12.0 + 1.0)
     assert fresh.last_touch == q.logical_time == 6  # two touches per stored request
+
+
+def test_session_keeps_conversations_that_share_a_system_prompt_apart():
+    """Three conversations behind one system prompt are three sessions: each
+    hit the prompt's blocks in the first one's session but not the rest of
+    it.  Merged into one (as a whole-prompt lookup would merge them), the
+    newest conversation's blocks were evicted first, as that session's tail."""
+    def script(h):
+        system = [1, 2]
+        h.run(system + [100, 101, 102], 1.0)
+        h.run(system + [200, 201, 202], 2.0)
+        h.run(system + [300, 301, 302], 3.0)
+        h.run([900, 901, 902], 4.0)  # a one-off request evicts three blocks
+        return h.run(system + [300, 301, 302, 303], 5.0)
+
+    h = Harness(peer("session"), 11)
+    hits = script(h)
+    assert hits == script(Harness(ReplayPolicy("lru"), 11)) == 5
+    assert len(h.policy.queue.sessions) >= 3
 
 
 def test_ghost_scores_decay_and_prune_like_the_source():

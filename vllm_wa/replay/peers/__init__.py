@@ -101,7 +101,9 @@ PEERS: dict[str, PeerSpec] = {
             "T-LRU, arXiv 2510.15152; SGLang TLRUStrategy (#34012)",
             (),
             _tlru,
-            Knob("slo", (0.03, 0.06, 0.12, 0.5, 2.0), 0.4096, "s"),
+            # Up to budgets where every block is TEL-safe (radix LRU): the
+            # agentic split's profile half chose the largest of 0.03 to 2 s.
+            Knob("slo", (0.03, 0.06, 0.12, 0.5, 2.0, 8.0, 32.0, 128.0), 0.4096, "s"),
         ),
         PeerSpec(
             "session",

@@ -10,7 +10,8 @@ conversation's prefix outlives its suffix.
 What it reproduces, call by call, as the offloading connector drives it:
 
 * lookup (``record_lookup``): a request whose lookup finds a resident block
-  remembers that block's session (the deepest hit's) as its merge target;
+  remembers that block's session (the deepest hit's) as its merge target,
+  when the request continues that session (see below);
 * ``touch`` (all the prompt's keys, at every lookup and again right after
   each store the connector makes for the request, as vLLM's offloading
   scheduler of that time does in ``get_num_new_matched_tokens`` and
@@ -32,7 +33,17 @@ What it reproduces, call by call, as the offloading connector drives it:
 
 GPU-side translation: a block is "stored" when its request is admitted and
 "evictable" while free; the store's touch follows (its new blocks are not
-ready yet: misses for the ghost scores). The replay caches no reply blocks,
+ready yet: misses for the ghost scores).  The source's lookups are the CPU
+tier's: they start after the prefix the GPU still caches
+(``OffloadingConnectorScheduler.get_num_new_matched_tokens``), so a prefix
+every conversation shares (a system prompt), hot on the GPU, never names a
+merge target there; the source's own comment on ``record_lookup`` says why
+it must not (it would collapse many logical sessions into one).  Here every
+lookup sees the whole prompt, so a hit names its session as the merge
+target only when the request hit every block that session still holds: a
+next turn extends its conversation's stored prompt, while a request that
+shares only a prefix with it opens a session of its own, of that prefix's
+depth. The replay caches no reply blocks,
 so the touches the connector sends as each decoded block is stored are not
 made. A store the gate declines cannot be refused here (the
 prompt must be computed), so its blocks join no session and are reused first,
@@ -199,11 +210,14 @@ class SessionQueue(PeerQueue):
 
     def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
         session_of = self.session_of
-        # record_lookup: the last resident hit names the merge target.
+        # record_lookup: the last resident hit names the merge target, if
+        # the request continues its session (it hit all the session holds).
         self._merge_target = None
         if hit_blocks:
             sid = session_of[hit_blocks[-1].block_id]
-            self._merge_target = sid if sid >= 0 else None
+            s = self.sessions.get(sid) if sid >= 0 else None
+            if s is not None and s.live == sum(1 for b in hit_blocks if session_of[b.block_id] == sid):
+                self._merge_target = sid
         self._evicted_this_request = False
         self._touch(hashes, hit_blocks)
 
