@@ -296,12 +296,17 @@ def test_a_malformed_served_record_is_an_error_naming_it_or_skipped_and_counted(
         ({"completion_tokens": -100}, "completion_tokens"),
         ({"prompt_tokens": "32"}, "prompt_tokens"),
         ({"conversation": 1.7}, "conversation"),
+        # Finite timings whose sum is not: the request would hold its blocks forever.
+        ({"first_token": 1.6, "server_queue_ms": 1.0, "server_ttft_ms": 1e308, "server_generation_ms": 1e308},
+         "float range"),
     ]:
         path = result(**changes)
         with pytest.raises(TraceFormatError, match=msg):
             load_trace(path)
         trace = load_trace(path, skip_bad=True)
         assert len(trace.requests) == 2 and trace.skipped_lines == 1, changes
+    # An integer past the float range is no timing, as a missing or non-finite one.
+    assert len(load_trace(result(server_queue_ms=10**400, first_token=1.6, server_ttft_ms=1.0)).requests) == 3
     # Compressed, or with its keys sorted (the format tag no longer first), it is still a bench-serve result.
     with open(result()) as f:
         d = json.load(f)

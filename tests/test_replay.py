@@ -859,6 +859,52 @@ def test_cli_keeps_traces_of_one_name_apart_and_checks_outputs_first(tmp_path, c
         cli_main(["replay", paths[0], "--cache-blocks", "4", "--no-cache", "--json", str(tmp_path / "no" / "r.json")])
 
 
+def test_cli_profile_refuses_a_window_with_no_request(tmp_path):
+    """Parameters profiled from no request would seed a server with nothing learned."""
+    p = tmp_path / "b.jsonl"
+    p.write_text("\n".join(bailian_line(chat=c, ts=1.7e9 + c, hashes=(3 * c, 3 * c + 1, 3 * c + 2)) for c in range(5)))
+    out = tmp_path / "p.json"
+    for until in (["--until", "3600"], ["--until", "-5", "--relative"], ["--until", "nan"]):
+        with pytest.raises(SystemExit, match="--until"):
+            cli_main(["profile", str(p), "--no-cache", "--out", str(out), *until])
+    assert not out.exists()
+    assert cli_main(["profile", str(p), "--no-cache", "--out", str(out), "--until", "3", "--relative"]) == 0
+
+
+def test_a_trace_given_as_a_pipe_is_refused_not_read_in_part(tmp_path):
+    """Detecting the format reads the start of the file before the loader
+    does; a pipe (bash's ``<(zcat trace.gz)``) gives those bytes once only,
+    and the loader silently read the trace without its first records."""
+    r, w = os.pipe()
+    os.write(w, "\n".join(bailian_line(chat=c, ts=float(c), hashes=(c,)) for c in range(50)).encode())
+    os.close(w)
+    try:
+        with pytest.raises(TraceFormatError, match="not a regular file"):
+            load_trace(f"/dev/fd/{r}")
+        assert cli_main(["replay", f"/dev/fd/{r}", "--policies", "lru", "--cache-blocks", "4"]) == 2
+    finally:
+        os.close(r)
+
+
+def test_a_hard_linked_conversation_in_a_tar_is_read_as_in_its_folder(tmp_path):
+    """tar stores a hard-linked file's second name as a link entry."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"trace_{i}.json").write_text(json.dumps({"block_size": 64, "requests": [
+            {"t": 0.0, "in": 128, "out": 4, "hash_ids": [1, 2], "input_types": ["text"]},
+            {"t": 5.0 + i, "in": 192, "out": 4, "hash_ids": [1, 2, 3], "input_types": ["tool_result"]},
+        ]}))
+    (folder / "trace_9.json").hardlink_to(folder / "trace_0.json")
+    archive = tmp_path / "traces.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="traces")
+    with tarfile.open(archive) as tar:
+        assert any(m.islnk() for m in tar.getmembers())
+    from_dir, from_tar = load_trace(str(folder), "agentic"), load_trace(str(archive), "agentic")
+    assert len(from_tar.requests) == len(from_dir.requests) == 8
+
+
 def test_cli_profile_relative_default_is_the_first_half(tmp_path):
     p = tmp_path / "b.jsonl"
     # The first half reuses a text prompt, the second a file prompt.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -266,7 +267,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.until is None:
         until = trace.eval_start(0.5)  # already on the trace's clock
     else:
+        if not math.isfinite(args.until):
+            raise SystemExit(f"--until must be a finite number of seconds, got {args.until}")
         until = trace.start + args.until if args.relative else args.until
+        if until <= trace.start:
+            # Nothing to profile: parameters learned from no request would seed a server.
+            raise SystemExit(
+                f"--until {args.until:g}: no request arrives before it (the trace starts at {trace.start:g}"
+                f"{'' if args.relative else '; --relative counts from there'})"
+            )
     params = profile_trace(trace, until)
     text = json.dumps(params.to_pr_json(), indent=1)
     if args.out:

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import random
+import stat
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -65,6 +66,18 @@ def _open_binary(path: str) -> IO[bytes]:
     return opener_for(path)(path, "rb")
 
 
+def check_trace_path(path: str) -> None:
+    """Refuse a path that is not a regular file or a directory: a pipe (bash's
+    ``<(zcat trace.gz)``) can be read once only, and detecting the format
+    reads it before loading does, so the loader would miss its first records."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise TraceFormatError(path, f"cannot read: {e}") from e
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise TraceFormatError(path, "not a regular file (a pipe or a device): save the trace to a file first")
+
+
 def detect_format(path: str) -> str:
     """Guess a trace's format from its name and first record."""
     if is_served_result(path):
@@ -108,6 +121,7 @@ def load_trace(
     """Load a trace of any format; ``cut`` drops requests arriving ``cut`` s or
     more after its origin (agentic: the start of the offset window, where it
     overrides ``agentic.cut``; JSON lines: the first request)."""
+    check_trace_path(path)
     fmt = fmt or detect_format(path)
     if cut is not None:
         check_number("cut (seconds)", cut, gt=0)
@@ -384,7 +398,8 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
             found: list[tuple[str, bytes]] = []
             with tarfile.open(path, "r:*") as tar:
                 for m in tar:
-                    if m.isfile() and _is_conversation(m.name):
+                    # A hard-linked file is stored as a link entry (size 0), read through its target.
+                    if (m.isfile() or m.islnk()) and _is_conversation(m.name):
                         f = tar.extractfile(m)
                         if f is not None:
                             found.append((m.name, _read_conversation(f"{path}:{m.name}", f, m.size)))
@@ -419,9 +434,12 @@ def _not_a_tar(path: str) -> str:
 def _read_conversation(where: str, f: IO[bytes], size: int) -> bytes:
     """A conversation file's bytes, refused past :data:`MAX_CONVERSATION_BYTES`
     (the archive's members are read before any is parsed)."""
+    if size <= MAX_CONVERSATION_BYTES:
+        raw = f.read(MAX_CONVERSATION_BYTES + 1)
+        size = len(raw)
     if size > MAX_CONVERSATION_BYTES:
         raise TraceFormatError(where, f"a conversation file of {size >> 20} MiB (at most {MAX_CONVERSATION_BYTES >> 20})")
-    return f.read(MAX_CONVERSATION_BYTES + 1)
+    return raw
 
 
 def _agentic_tag(req: dict) -> str:

@@ -59,7 +59,14 @@ def is_served_result(path: str) -> bool:
 
 
 def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+    """A finite number as a float; None for anything else (an integer past the float range too)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def served_request(rec: dict[str, Any], block_size: int) -> TraceRequest | None:
@@ -81,6 +88,8 @@ def served_request(rec: dict[str, Any], block_size: int) -> TraceRequest | None:
         free = lookup + (ttft + (gen or 0.0)) / 1000.0
     else:
         lookup, free = sent, done
+    if not (math.isfinite(lookup) and math.isfinite(free)):
+        raise ValueError("its timings add up past the float range")
     # The server's count of the prompt's tokens, else the client's.
     n_in = token_field(rec, "prompt_tokens" if rec.get("prompt_tokens") is not None else "input_tokens", lo=1)
     hashes = hash_ids(rec, blocks_for=(n_in, block_size))

@@ -16,7 +16,7 @@ from vllm_wa.bench import results
 from vllm_wa.fileio import atomic_write
 from vllm_wa.replay import lifetime, loaders, records, served
 from vllm_wa.replay import trace as trace_module
-from vllm_wa.replay.loaders import AgenticOptions, load_trace
+from vllm_wa.replay.loaders import AgenticOptions, check_trace_path, load_trace
 from vllm_wa.replay.trace import Trace
 from vllm_wa.sim import token_ids
 
@@ -80,6 +80,7 @@ def load_trace_cached(
     use_cache: bool = True,
 ) -> Trace:
     """``load_trace`` with a cache keyed by the file's path, size, mtime and options."""
+    check_trace_path(path)  # a pipe is refused before a cache entry is keyed by it
     if not use_cache or os.path.isdir(path):
         return load_trace(path, fmt, skip_bad=skip_bad, agentic=agentic, cut=cut)
     file = os.path.join(cache_dir(), _key(path, fmt, skip_bad, agentic, cut) + ".pkl")
