@@ -664,6 +664,39 @@ def test_an_eviction_is_reported_only_for_content_whose_release_was(clock):
     h.queue.check_invariants()
 
 
+class _AnotherPool:
+    """The same blocks under another pool object (as a group that allocates
+    from a pool of its own, such as vLLM's HiSparse host pool, is seen)."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+@pytest.mark.parametrize("window_first", [False, True])
+def test_a_group_of_another_pool_is_not_filed_by_this_pools_tagger(clock, window_first):
+    """Block ids of another pool's group would index this queue's arrays and
+    file this pool's blocks of those ids; only the pool's own groups are
+    filed, and the reported group is its own full-attention one."""
+    m = make_hybrid_manager(40, BS, sliding_window=32, window_first=window_first)
+    h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock)
+    window = 0 if window_first else 1
+    m.coordinator.single_type_managers[window].block_pool = _AnotherPool(m.block_pool)
+    req = make_request("r", tokens(0, 6), tag="chat")
+    clock.t = 10.0
+    run_prefill(m, req)
+    held = [len([b for b in g if not b.is_null and b.block_hash is not None]) for g in m.coordinator.get_blocks("r")]
+    clock.t = 20.0
+    finish(m, req)
+    by_class = h.queue.free_blocks_by_class()
+    assert by_class.get("chat") == held[1 - window]  # the full-attention group's blocks only
+    assert by_class.get("default") == held[window]  # the other pool's: freed as no release filed them
+    assert h.hook_errors == 0
+    h.queue.check_invariants()
+
+
 def test_a_hit_block_that_leaves_the_window_is_dated_by_the_hit_not_its_previous_user(clock):
     """A sliding-window block that a request found in the prefix cache and that
     leaves the window before the release (no hook sees it) keeps its class, the

@@ -54,6 +54,7 @@ class WAHandle:
     hook_errors: int = 0
     _logged_error: bool = field(default=False, repr=False)
     _reported_group: int | None = field(default=None, repr=False)
+    _own_groups: frozenset[int] | None = field(default=None, repr=False)
 
     @property
     def registry(self) -> ClassRegistry:
@@ -94,21 +95,43 @@ class WAHandle:
 
         vLLM numbers the groups in layer order, so a model whose first layer
         uses a sliding window (Gemma 3, gpt-oss) has it as group 0, where the
-        blocks that left the window are null.  Worked out at the first call:
+        blocks that left the window are null.  Only this pool's groups count
+        (:meth:`own_groups`).  Worked out at the first call:
         a handle serves one block pool, so one manager.
         """
         if self._reported_group is None:
             from vllm.v1.kv_cache_interface import FullAttentionSpec
 
             groups = manager.kv_cache_config.kv_cache_groups
-            full = (i for i, group in enumerate(groups) if isinstance(group.kv_cache_spec, FullAttentionSpec))
-            self._reported_group = next(full, 0)
+            own = self.own_groups(manager)
+            full = (
+                i for i, group in enumerate(groups) if isinstance(group.kv_cache_spec, FullAttentionSpec) and i in own
+            )
+            self._reported_group = next(full, min(own, default=0))
         return self._reported_group
 
+    def own_groups(self, manager: Any) -> frozenset[int]:
+        """The KV-cache groups whose blocks come from this handle's pool.
+
+        A group can allocate from another pool (vLLM's HiSparse keeps a host
+        pool beside the GPU one); its block ids would index this queue's
+        per-block arrays and file other blocks.  Worked out at the first call.
+        """
+        if self._own_groups is None:
+            managers = manager.coordinator.single_type_managers
+            self._own_groups = frozenset(
+                i for i, m in enumerate(managers) if getattr(m, "block_pool", self.block_pool) is self.block_pool
+            )
+        return self._own_groups
+
     def _split_groups(self, manager: Any, groups: Any) -> tuple[int, list]:
-        """The reported group's index, and the other groups' blocks (a hybrid model's)."""
-        g = self.reported_group(manager) if len(groups) > 1 else 0
-        return g, [blocks for i, blocks in enumerate(groups) if i != g]
+        """The reported group's index, and the other groups' blocks (a hybrid
+        model's), of this pool's groups only."""
+        if len(groups) == 1:
+            return 0, []
+        g = self.reported_group(manager)
+        own = self.own_groups(manager)
+        return g, [blocks for i, blocks in enumerate(groups) if i != g and i in own]
 
     def on_lookup(self, manager: Any, request: Any, result: Any) -> None:
         from vllm.v1.core.kv_cache_utils import (
