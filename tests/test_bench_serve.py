@@ -299,6 +299,7 @@ def test_a_malformed_served_record_is_an_error_naming_it_or_skipped_and_counted(
         # Finite timings whose sum is not: the request would hold its blocks forever.
         ({"first_token": 1.6, "server_queue_ms": 1.0, "server_ttft_ms": 1e308, "server_generation_ms": 1e308},
          "float range"),
+        ({"sent": -1e308, "done": 1e308}, "float range"),  # each finite, the service time not
     ]:
         path = result(**changes)
         with pytest.raises(TraceFormatError, match=msg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import subprocess
@@ -23,6 +24,7 @@ from vllm_wa.engine_patch.install import (
 )
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
 from vllm_wa.sim.clock import SettableClock
+from vllm_wa.sim.prefix_cache import SimPrefixCache
 from vllm_wa.workload_classes import ClassRegistry
 
 from conftest import finish, make_hybrid_manager, make_manager, make_request, run_prefill
@@ -695,6 +697,36 @@ def test_a_group_of_another_pool_is_not_filed_by_this_pools_tagger(clock, window
     assert by_class.get("default") == held[window]  # the other pool's: freed as no release filed them
     assert h.hook_errors == 0
     h.queue.check_invariants()
+
+
+def test_a_block_that_takes_back_the_same_hash_object_is_sampled_afresh():
+    """A block taken for new content loses its sampling flag; if the content
+    it takes is the same hash object (a repeated prompt's recomputed last
+    block, in the simulator), the flag is still computed again, so its
+    release is reported and its eviction too."""
+    clock = SettableClock()
+    sink = EventSink(capacity=1 << 16, sample_rate=0.5)
+    digests = [hashlib.sha256(str(i).encode()).digest() for i in range(200)]  # bytes, as vLLM's
+    prompt = [next(h for h in digests if not sink.is_sampled(h)), next(h for h in digests if sink.is_sampled(h))]
+    made = {}
+
+    def make_queue(blocks):
+        q = WorkloadAwareFreeQueue(blocks, clock=clock, sink=sink)
+        made["tagger"] = block_tagger.BlockTagger(q, blocks, sink=sink)
+        return q
+
+    cache = SimPrefixCache(3, make_queue)  # the null block and two
+    cache.hooks = made["tagger"]
+    tags = block_tagger.RequestTags
+    for rid in ("r1", "r2"):  # r2's last block is recomputed into the block that held it
+        clock.advance(1.0)
+        cache.admit(rid, prompt, clock(), tags(rid))
+        clock.advance(1.0)
+        cache.release(rid, clock(), tags(rid))
+    assert cache.pool.queue.num_free_blocks == 2
+    events = sink.drain()
+    assert [e.block_hash for e in events if e.kind == EventKind.FREED] == [prompt[1], prompt[1]]
+    assert [e.block_hash for e in events if e.kind == EventKind.EVICTED] == [prompt[1]]
 
 
 def test_a_hit_block_that_leaves_the_window_is_dated_by_the_hit_not_its_previous_user(clock):

@@ -905,6 +905,16 @@ def test_a_hard_linked_conversation_in_a_tar_is_read_as_in_its_folder(tmp_path):
     assert len(from_tar.requests) == len(from_dir.requests) == 8
 
 
+def test_a_tar_link_to_a_missing_member_is_a_trace_error(tmp_path):
+    archive = tmp_path / "dangling.tar"
+    with tarfile.open(archive, "w") as tar:
+        link = tarfile.TarInfo("conv/trace_b.json")
+        link.type, link.linkname = tarfile.LNKTYPE, "conv/trace_a.json"
+        tar.addfile(link)
+    with pytest.raises(TraceFormatError, match="cannot read archive"):
+        load_trace(str(archive), "agentic")
+
+
 def test_cli_profile_relative_default_is_the_first_half(tmp_path):
     p = tmp_path / "b.jsonl"
     # The first half reuses a text prompt, the second a file prompt.

@@ -111,6 +111,9 @@ def test_a_pin_shows_in_the_next_get(engine):
     {"a": {"agent_1": 1e-300}, "p": {"agent_1": 1e-30}, "mode": "ttl"},
     # Rates whose sum (the default model's mean) overflows the float range.
     {"a": {"agent_1": 1e308, "chat_1": 1e308}, "p": {"agent_1": 1, "chat_1": 1}, "mode": "pr"},
+    # The largest float as a rate: its mean delay is subnormal, its inverse overflows.
+    {"a": {"agent_1": 1.7976931348623157e308}, "p": {"agent_1": 1}, "mode": "pr"},
+    {"a": {"agent_1": 1.7976931348623157e308}, "p": {"agent_1": 1}, "default": [[1, 0.1]], "mode": "pr"},
     # A mixture whose mean delay overflows it.
     {"a": {"agent_1": 1}, "p": {"agent_1": 1}, "mixture": {"agent_1": [[0.5, 3e-309], [0.5, 3e-309]]},
      "default": [[1, 0.1]], "mode": "posterior"},

@@ -120,7 +120,12 @@ class ReuseModel:
             mean = math.fsum(w / r for w, r in zip(self.weights, self.rates) if r > 0)
         except OverflowError:  # a mean delay past the float range: as good as never
             return 0.0
-        return p / mean if mean > 0 else 0.0
+        if mean <= 0:
+            return 0.0
+        a = p / mean
+        # Rates near the float range: a subnormal mean overflows the ratio;
+        # the fastest component's rate bounds it (exact for one component).
+        return a if math.isfinite(a) else max(r for w, r in zip(self.weights, self.rates) if w > 0)
 
     def survival(self, idle_s: float) -> float:
         """P(not reused within ``idle_s`` seconds of being freed)."""

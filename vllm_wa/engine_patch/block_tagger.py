@@ -171,9 +171,6 @@ class BlockTagger:
         # The hash a block had when its reuse count was last updated: a block
         # that was evicted and refilled starts counting again.
         self._counted_hash: list[Any] = [None] * n
-        # The hash a block's sampling flag was computed for (hashing every
-        # block at every lookup and free would cost more than the eviction).
-        self._flagged_hash: list[Any] = [None] * n
         self._owner = [0] * n
         self._serial = 0
         self._looked_up: dict[str, _Lookup] = {}
@@ -353,7 +350,7 @@ class BlockTagger:
             k = len(hit_blocks)
             head = self.sink.sampled_from(block_hashes[:k], 0) if k else []
             return tuple(head + self.sink.sampled_from(block_hashes, k)), len(head)
-        sampled, flagged = self.queue.sampled, self._flagged_hash
+        sampled, flagged = self.queue.sampled, self.queue.sampled_hash
         is_sampled = self.sink.is_sampled
         out = []
         for i, b in enumerate(hit_blocks):
@@ -541,7 +538,7 @@ class BlockTagger:
         if sink is None:
             return ()
         if not report:
-            sampled, flagged = queue.sampled, self._flagged_hash
+            sampled, flagged = queue.sampled, self.queue.sampled_hash
             for b in blocks:
                 # Flagged as not sampled under the hash it holds, until it holds another.
                 flagged[b.block_id] = b._block_hash
@@ -585,7 +582,7 @@ class BlockTagger:
         ``reported`` (None: not kept) collects what the events said of each block.
         """
         sink = self.sink
-        sampled, flagged = self.queue.sampled, self._flagged_hash
+        sampled, flagged = self.queue.sampled, self.queue.sampled_hash
         all_ = sink.samples_all
         is_sampled = sink.is_sampled
         counts, counted = self.reuse_count, self._counted_hash

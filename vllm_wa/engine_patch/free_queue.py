@@ -29,6 +29,7 @@ import time
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -246,8 +247,11 @@ class WorkloadAwareFreeQueue:
         # as SGLang's FIFO and LRU do with their creation and match times.
         # ``_NO_LOOKUP``: none since the block took its content.
         self.lookup_time: list[float] = [_NO_LOOKUP] * n_ids
-        # Per-block "events wanted" flag (hash-sampled), set by the tagger.
+        # Per-block "events wanted" flag (hash-sampled), set by the tagger,
+        # and the hash it was computed for (hashing every block at every
+        # lookup and free would cost more than the eviction).
         self.sampled = bytearray(n_ids)
+        self.sampled_hash: list[Any] = [None] * n_ids
         self._last_stamp = -_INF
         self.score_staleness = float(score_staleness)
 
@@ -600,12 +604,13 @@ class WorkloadAwareFreeQueue:
                 self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
-        lookup_time, cls_of, sampled = self.lookup_time, self.block_class, self.sampled
+        lookup_time, cls_of, sampled, sampled_hash = self.lookup_time, self.block_class, self.sampled, self.sampled_hash
         for b in out:
             bid = b.block_id
             lookup_time[bid] = _NO_LOOKUP
             cls_of[bid] = DEFAULT_ID
             sampled[bid] = 0
+            sampled_hash[bid] = None  # computed afresh for the next content, whatever its hash object
         return out
 
     def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:

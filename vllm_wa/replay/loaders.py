@@ -403,7 +403,7 @@ def _conversation_files(path: str) -> Iterator[tuple[str, bytes]]:
                         f = tar.extractfile(m)
                         if f is not None:
                             found.append((m.name, _read_conversation(f"{path}:{m.name}", f, m.size)))
-        except (tarfile.TarError, *READ_ERRORS) as e:
+        except (tarfile.TarError, KeyError, *READ_ERRORS) as e:  # KeyError: a link to a missing member
             raise TraceFormatError(path, f"cannot read archive: {e}") from e
         # A name stored twice (an appended archive) is the later copy, as tar extracts it.
         for name, raw in sorted(dict(found).items()):
