@@ -571,13 +571,13 @@ class WorkloadAwareFreeQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks to reuse: blocks without a hash, then lowest scores.
 
-        The blocks take new content: neither the old content's class, nor its
-        lookups, nor its sampling flag describe them (the tagger keeps a
-        block's latest start among its users), so each is reset on the way
-        out.  Such a block freed later without the tagger (a sliding
-        window's, mid-request) is then filed as an untagged request's,
-        stamped at its release, and its eviction is not reported: no FREED
-        event named its content.  (A block
+        The blocks take new content: neither the old content's class nor its
+        lookups describe them (the tagger keeps a block's latest start among
+        its users), so each is reset on the way out.  Such a block freed
+        later without the tagger (a sliding window's, mid-request) is then
+        filed as an untagged request's, stamped at its release; its sampling
+        flag is still its old content's, which ``_emit_evicted`` tells by
+        the hash (no FREED event named the new content).  (A block
         found by a prefix lookup keeps its content's class, and the lookup
         dates it: ``BlockTagger.count_reuse``.)
         """
@@ -604,13 +604,11 @@ class WorkloadAwareFreeQueue:
                 self._hashed_first.difference_update(x.block_id for x in out)
         if n:
             self._pop_scored(n, out)
-        lookup_time, cls_of, sampled, sampled_hash = self.lookup_time, self.block_class, self.sampled, self.sampled_hash
+        lookup_time, cls_of = self.lookup_time, self.block_class
         for b in out:
             bid = b.block_id
             lookup_time[bid] = _NO_LOOKUP
             cls_of[bid] = DEFAULT_ID
-            sampled[bid] = 0
-            sampled_hash[bid] = None  # computed afresh for the next content, whatever its hash object
         return out
 
     def _pop_scored(self, n: int, out: list[KVCacheBlock]) -> None:
@@ -720,12 +718,15 @@ class WorkloadAwareFreeQueue:
 
     def _emit_evicted(self, out: list[KVCacheBlock], start: int, now: float) -> None:
         sink = self.sink
-        sampled = self.sampled
+        sampled, sampled_hash = self.sampled, self.sampled_hash
         all_ = sink.samples_all
         for i in range(start, len(out)):
             b = out[i]
             h = b._block_hash
-            if h is not None and (all_ or sampled[b.block_id]):
+            # A flag describes the content whose hash it was computed for: a
+            # block freed without the tagger holds other content (a replay's
+            # trace ids, always freed through it, are flagged a release at a time).
+            if h is not None and (all_ or (sampled[b.block_id] and (sampled_hash[b.block_id] is h or type(h) is int))):
                 sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
