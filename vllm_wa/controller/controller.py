@@ -868,9 +868,12 @@ class WAController:
             row += d
         # The checkpoint keeps lookups per finest class only: each key starts
         # from their sum (at most one per class spanned), and counts exactly from here.
+        rows = self._bank.rows
         for kc in self._key_classes.values():
-            kc.extend(self._fine)
-            kc.lookups[:] = [self._bank.sum_groups(kc.rows(i)) for i in range(len(kc.names))]
+            labels = kc.extend(self._fine).tolist()
+            kc.lookups[:] = [0.0] * len(kc.names)
+            for fid, label in enumerate(labels):  # one pass, each class in row order
+                kc.lookups[label] += rows[fid].groups
         # What earlier drifts forgot, for the keys and classes configured now,
         # at most each class's data as restored.
         for features, name, d in ckpt.drift_cuts:

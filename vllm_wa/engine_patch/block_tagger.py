@@ -538,7 +538,7 @@ class BlockTagger:
         if sink is None:
             return ()
         if not report:
-            sampled, flagged = queue.sampled, self.queue.sampled_hash
+            sampled, flagged = queue.sampled, queue.sampled_hash
             for b in blocks:
                 # Flagged as not sampled under the hash it holds, until it holds another.
                 flagged[b.block_id] = b._block_hash
@@ -589,13 +589,15 @@ class BlockTagger:
         if not all_ and blocks and type(blocks[0]._block_hash) is int:
             mask = sink.sampled_ids([b._block_hash for b in blocks])
             if mask is not None:
-                # Trace ids: every flag at once, then only the sampled blocks.
+                # Trace ids: every flag at once, then only the sampled blocks
+                # (each with the hash its flag is for, as the eviction checks).
                 ids = np.fromiter(map(_block_id, blocks), dtype=np.intp, count=len(blocks))
                 np.frombuffer(sampled, dtype=np.uint8)[ids] = mask
                 for pos in np.flatnonzero(mask).tolist():
                     b = blocks[pos]
+                    h, bid = b._block_hash, b.block_id
+                    flagged[bid] = h
                     if b.ref_cnt == 1:
-                        h, bid = b._block_hash, b.block_id
                         reuse = counts[bid] if counted[bid] == h else 0
                         sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
                         if reported is not None:

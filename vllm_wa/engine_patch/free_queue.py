@@ -724,9 +724,8 @@ class WorkloadAwareFreeQueue:
             b = out[i]
             h = b._block_hash
             # A flag describes the content whose hash it was computed for: a
-            # block freed without the tagger holds other content (a replay's
-            # trace ids, always freed through it, are flagged a release at a time).
-            if h is not None and (all_ or (sampled[b.block_id] and (sampled_hash[b.block_id] is h or type(h) is int))):
+            # block freed without the tagger holds other content.
+            if h is not None and (all_ or (sampled[b.block_id] and sampled_hash[b.block_id] is h)):
                 sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:

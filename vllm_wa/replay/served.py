@@ -88,7 +88,7 @@ def served_request(rec: dict[str, Any], block_size: int) -> TraceRequest | None:
         free = lookup + (ttft + (gen or 0.0)) / 1000.0
     else:
         lookup, free = sent, done
-    if not (math.isfinite(lookup) and math.isfinite(free) and math.isfinite(free - lookup)):
+    if not math.isfinite(free - lookup):  # (not finite either when lookup or free is not)
         raise ValueError("its timings add up past the float range")
     # The server's count of the prompt's tokens, else the client's.
     n_in = token_field(rec, "prompt_tokens" if rec.get("prompt_tokens") is not None else "input_tokens", lo=1)
