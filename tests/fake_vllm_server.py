@@ -22,6 +22,11 @@ class FakeConfig:
     fail_http: set[int] = field(default_factory=set)  # n-th completion request (0-based) gets a 500
     fail_stream: set[int] = field(default_factory=set)  # n-th completion request errors mid-stream
     delay_s: float = 0.0
+    odd_usage: dict[int, str] = field(default_factory=dict)  # n-th request: this payload instead of its usage chunk
+    cut_short: set[int] = field(default_factory=set)  # n-th request: aborted after one token
+    stream_s: float = 0.0  # every reply streams a token each 0.05 s for this long before its last
+    models_body: str | None = None  # /v1/models answers this instead
+    gone_after: int | None = None  # the server shuts down after answering this many completion requests
     received: list[dict] = field(default_factory=list)
 
 
@@ -46,6 +51,7 @@ class FakeServer:
         self.n = 0
         self.hits = 0
         self.queries = 0
+        self.closed = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,7 +79,8 @@ class FakeServer:
                     if not self._authorized():
                         self._send(401, json.dumps({"error": "Unauthorized"}))
                         return
-                    self._send(200, json.dumps({"data": [{"id": "fake", "max_model_len": server.cfg.max_model_len}]}))
+                    models = {"data": [{"id": "fake", "max_model_len": server.cfg.max_model_len}]}
+                    self._send(200, server.cfg.models_body or json.dumps(models))
                 elif self.path == "/metrics":
                     self._send(200, _metrics(server.cfg, server.hits, server.queries), "text/plain")
                 else:
@@ -97,6 +104,10 @@ class FakeServer:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
+                going = server.cfg.gone_after is not None and i + 1 >= server.cfg.gone_after
+                if going:  # no kept-alive connection outlives the server
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
 
                 def chunk(s: str) -> None:
@@ -106,10 +117,19 @@ class FakeServer:
 
                 rid = "cmpl-" + body.get("request_id", str(i))
                 chunk(f'data: {{"id": "{rid}", "choices": [{{"index": 0, "text": "x", "finish_reason": null}}]}}\n\n')
+                end = time.monotonic() + server.cfg.stream_s
+                while time.monotonic() < end:
+                    time.sleep(0.05)
+                    chunk(f'data: {{"id": "{rid}", "choices": [{{"index": 0, "text": "x", "finish_reason": null}}]}}\n\n')
+                short = i in server.cfg.cut_short
+                last = {"index": 0, "text": "x", "finish_reason": "abort" if short else "length"}
+                chunk(f'data: {{"id": "{rid}", "choices": [{json.dumps(last)}]}}\n\n')
                 if i in server.cfg.fail_stream:
                     chunk('data: {"error": {"message": "injected stream failure", "code": 500}}\n\n')
+                elif i in server.cfg.odd_usage:
+                    chunk(f"data: {server.cfg.odd_usage[i]}\n\n")
                 else:
-                    usage = {"prompt_tokens": n_prompt, "completion_tokens": body["max_tokens"],
+                    usage = {"prompt_tokens": n_prompt, "completion_tokens": 1 if short else body["max_tokens"],
                              "prompt_tokens_details": {"cached_tokens": cached}}
                     metrics = {"time_to_first_token_ms": 1.0, "queue_time_ms": 0.5, "generation_time_ms": 2.0}
                     chunk(f'data: {{"id": "{rid}", "choices": [], "usage": {json.dumps(usage)}, '
@@ -120,6 +140,8 @@ class FakeServer:
                 chunk("data: [DONE]\n\n")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
+                if going:
+                    threading.Thread(target=server.close, daemon=True).start()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -130,6 +152,14 @@ class FakeServer:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """Stop answering: later connections are refused."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

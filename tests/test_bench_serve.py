@@ -22,7 +22,7 @@ from vllm_wa.bench import report
 from vllm_wa.bench.client import BenchClient, ClientConfig
 from vllm_wa.bench.controller_scaling import time_scaled, to_toml
 from vllm_wa.bench.prom import parse_metrics
-from vllm_wa.bench.results import RunResult
+from vllm_wa.bench.results import RequestRecord, RunResult
 from vllm_wa.bench.server_info import BenchError
 from vllm_wa.bench.slicing import SliceSpec, reblock, slice_trace
 from vllm_wa.bench.workload import build_workload
@@ -47,7 +47,7 @@ def small_trace(n_conv=3, turns=4, bs=16, gap=1.0) -> Trace:
             ids = ids + [1000 * (c + 1) + len(ids), 1000 * (c + 1) + len(ids) + 1]
             reqs.append(req(f"c{c}t{k}", c * 0.1 + k * gap, ids, conv=c, bs=bs))
     reqs.sort(key=lambda r: r.arrival)
-    return Trace("small", bs, reqs, "bailian")
+    return Trace("small", bs, reqs, "bailian", conversations=True)
 
 
 # ---- prompts ----------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_workload_think_times_caps_and_requests_that_do_not_fit():
         req("a", 10.0, [1, 2], out=100, service=2.0),
         req("b", 20.0, [1, 2, 3], out=3),
         req("c", 30.0, list(range(100, 400)), conv=1),  # 300 blocks: over max_model_len
-    ], "agentic")
+    ], "agentic", conversations=True)
     w = build_workload(t, max_output_tokens=16, max_model_len=1024)
     assert [r.trace_id for r in w.requests] == ["a", "b"]
     assert w.excluded_too_long == 1 and any("left out" in n for n in w.notes)
@@ -431,3 +431,152 @@ def test_suite_wa_candidate_runs_one_candidate_with_the_tuner_off(tmp_path, caps
         suite.make_plan(suite.parse_args(common + ["--wa-candidate", "nope"]))
     with pytest.raises(SystemExit, match="scaled shipped config"):
         suite.make_plan(suite.parse_args(common + ["--wa-candidate", name, "--wa-config", "default"]))
+
+
+# ---- what the review of the client found (2026-12-05) ------------------------------------------------
+
+SAMPLE = os.path.join(ROOT, "vllm_wa", "data", "agentic-coding-sample.tar.xz")
+
+
+def test_agentic_prompts_whose_last_partial_block_has_no_id_are_sent_as_their_blocks():
+    """The agentic traces hash full blocks only: ``in`` runs past the last id by up to 63 tokens."""
+    from vllm_wa.replay.loaders import load_trace
+
+    full = load_trace(SAMPLE)
+    assert any(r.input_tokens > len(r.hash_ids) * full.block_size for r in full.requests)
+    gpu = slice_trace(full, SliceSpec(max_prompt_blocks=496, conversations=2))  # the suite's --gpu cut
+    assert any("partial block has no id" in n for n in gpu.notes)
+    for r in gpu.requests:
+        prompt_token_ids(r.hash_ids, gpu.block_size, r.input_tokens)  # raised before: tokens past the ids
+    merged = slice_trace(full, SliceSpec(block_size=128, conversations=2))
+    for r in merged.requests:  # no merged block named again by the last id it covers
+        assert len(set(r.hash_ids)) == len(r.hash_ids)
+    with FakeServer(FakeConfig(block_size=64, max_model_len=10**6)) as srv:
+        res = run_client(srv.url, gpu, time_scale=1e-5)
+    assert len(res.requests) == len(gpu.requests) and all(r.ok for r in res.requests)
+
+
+def test_a_stream_chunk_of_another_shape_fails_its_request_and_the_run_goes_on():
+    odd = {
+        0: '{"choices": [null]}',
+        1: '{"choices": [], "usage": 7}',
+        2: '{"choices": [], "usage": {"prompt_tokens": "32", "completion_tokens": 4}}',
+        3: '{"choices": [], "usage": {"prompt_tokens": 32, "completion_tokens": 4, "prompt_tokens_details": "n/a"}}',
+    }
+    t = small_trace(n_conv=2, turns=4)
+    with FakeServer(FakeConfig(odd_usage=odd)) as srv:
+        res = run_client(srv.url, t)
+    assert len(res.requests) == len(t.requests)
+    by_order = sorted(res.requests, key=lambda r: r.sent)
+    assert [r.ok for r in by_order[:4]] == [False] * 4 and all(r.ok for r in by_order[4:])
+    assert all("malformed" in r.error for r in by_order[:4])
+
+
+def test_a_reply_cut_short_is_a_failed_request():
+    t = small_trace(n_conv=1, turns=3)
+    with FakeServer(FakeConfig(cut_short={1})) as srv:
+        res = run_client(srv.url, t)
+    assert [r.ok for r in res.requests] == [True, False, True]
+    assert "ended early: 1 of 4 tokens" in res.requests[1].error and "abort" in res.requests[1].error
+
+
+def test_the_request_timeout_bounds_the_whole_streamed_reply():
+    t = small_trace(n_conv=1, turns=1)
+    with FakeServer(FakeConfig(stream_s=2.0)) as srv:  # a token every 0.05 s: no single read waits long
+        start = time.monotonic()
+        res = run_client(srv.url, t, request_timeout_s=0.5)
+        took = time.monotonic() - start
+    assert not res.requests[0].ok and "request timeout (0.5 s)" in res.requests[0].error
+    assert took < 1.9
+
+
+def test_a_trace_without_conversations_is_sent_open_loop():
+    reqs = [req(f"m{k}", 0.01 * k, [5, 100 + k], conv=-1, outcome=None) for k in range(5)]
+    t = Trace("mooncake-like", 16, reqs, "mooncake")  # names no conversation
+    w = build_workload(t, 4)
+    assert len(w.conversations) == 5 and all(r.think == 0.0 for r in w.requests)
+    with FakeServer(FakeConfig(delay_s=0.3)) as srv:
+        res = run_client(srv.url, t, time_scale=1.0)
+    sent = sorted(r.sent for r in res.requests)
+    assert all(r.ok for r in res.requests)
+    assert sent[-1] - sent[0] < 0.25  # each at its own time; one after another they would take 1.2 s
+    with pytest.raises(ValueError, match="names no conversations"):
+        slice_trace(t, SliceSpec(conversations=2))
+
+
+def test_a_counter_that_fell_between_two_scrapes_was_reset_and_counts_from_zero():
+    def text(queries, hits, evicted):
+        return (
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n'
+            f'vllm:prefix_cache_queries_total{{engine="1"}} 500\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
+            "# TYPE vllm:request_success counter\n"
+            f'vllm:request_success_total{{engine="0",finished_reason="length"}} {hits // 100}\n'
+            "# TYPE vllm_wa_evicted_blocks counter\n"
+            f'vllm_wa_evicted_blocks_total{{class="tool",engine="0"}} {evicted}\n'
+        )
+
+    before = parse_metrics(text(10000, 9000, 500))
+    after = parse_metrics(text(2000, 200, 40))  # engine 0 restarted: these counted from zero
+    d = after.minus(before)
+    assert d["prefix_cache_queries"] == 2000 and d["prefix_cache_hits"] == 200  # -8000 and -8800 before
+    assert d["finished"] == {"length": 2}
+    assert d["wa"] == {'vllm_wa_evicted_blocks_total{class="tool",engine="0"}': 40}
+    grown = parse_metrics(text(12000, 9500, 600)).minus(before)
+    assert (grown["prefix_cache_queries"], grown["prefix_cache_hits"]) == (2000, 500)
+
+
+def test_an_answer_from_the_server_ends_a_run_of_unreachable_requests():
+    import httpx
+
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        if len(calls) % 2:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(503, text="overloaded")
+
+    t = small_trace(n_conv=1, turns=5)
+    bench = BenchClient(ClientConfig(url="http://x", max_consecutive_unreachable=3, progress=False), t)
+    w = build_workload(t, 4)
+
+    async def go():
+        bench._stop = asyncio.Event()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for r in w.requests:
+                rec = RequestRecord(
+                    index=r.index, request_id=str(r.index), conversation=0, tag=r.tag, outcome_hint=None,
+                    hash_ids=list(r.hash_ids), input_tokens=r.input_tokens, max_tokens=r.max_tokens,
+                    planned=0.0, scheduled=0.0,
+                )
+                await bench._send(client, "m", r, rec)
+                assert not rec.ok
+        return bench._stop.is_set()
+
+    assert asyncio.run(go()) is False  # unreachable, 503, unreachable, 503, unreachable: never 3 in a row
+    assert not bench.result.stop_reason
+
+
+def test_a_run_the_server_walked_out_of_exits_non_zero_and_keeps_its_records(tmp_path):
+    from vllm_wa.cli import main
+
+    trace_path = tmp_path / "t.jsonl"
+    records = [{"chat_id": k, "parent_chat_id": k - 1 if k else -1, "timestamp": k * 0.001, "input_length": 32,
+                "output_length": 2, "type": "text", "turn": k + 1, "hash_ids": [7, 100 + k]} for k in range(30)]
+    trace_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "run.json"
+    with FakeServer(FakeConfig(gone_after=1)) as srv:  # one conversation: one request at a time
+        code = main(["bench-serve", str(trace_path), "--url", srv.url, "--json", str(out), "--time-scale", "1"])
+    assert code == 1  # 0 before: a run the server left looked like a finished one
+    res = RunResult.read(str(out))
+    assert res.interrupted and "could not reach the server" in res.stop_reason
+    assert res.requests[0].ok and not any(r.ok for r in res.requests[1:])
+    assert 20 <= len(res.requests) - 1 <= 21  # stopped at 20 in a row (one more may race the shutdown)
+
+
+def test_a_models_list_without_a_model_object_is_a_clear_error():
+    with FakeServer(FakeConfig(models_body='{"data": ["some-model"]}')) as srv, pytest.raises(BenchError, match="lists no model"):
+        run_client(srv.url, small_trace())

@@ -122,6 +122,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if not client.result.requests:
             return 2
         code = 2
+    except Exception:
+        client.result.write(out)  # what was measured before the fault, then its traceback
+        print(f"vllm-wa bench-serve: wrote the {len(client.result.requests)} requests so far to {out}", file=sys.stderr)
+        raise
     res = client.result
     res.write(out)
     s = report.summarize(res)
@@ -132,6 +136,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"{s['failed']} failed requests: {s['errors']}")
     if res.interrupted:
         print(f"run ended early ({res.stop_reason}); {len(res.requests)} requests recorded")
+        if code == 0:
+            code = 1  # the server went away: the run measured less than it was asked to
     if s["completed"] and s["cached_tokens_reported"] < s["completed"]:
         print("note: the server did not report cached tokens for every request; start it with "
               "--enable-prompt-tokens-details")

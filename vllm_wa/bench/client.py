@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 import uuid
@@ -247,30 +248,47 @@ class BenchClient:
 
     async def _send(self, client: httpx.AsyncClient, model: str, req: BenchRequest, rec: RequestRecord) -> None:
         loop = asyncio.get_running_loop()
-        body = self._body(model, req, rec)
+        try:
+            body = self._body(model, req, rec)
+        except ValueError as e:  # a prompt its hash ids cannot spell (workload.build_workload fits them)
+            rec.error = f"cannot build the prompt: {e}"[:300]
+            return
         rec.sent = loop.time() - self._t0
         try:
-            async with client.stream("POST", self.base + "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode("utf-8", "replace")
-                    rec.error = f"HTTP {r.status_code}: {text[:300]}"
-                    return
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == "[DONE]":
-                        break
-                    self._on_chunk(json.loads(payload), rec, loop.time() - self._t0)
-                    if rec.error is not None:
+            # The whole request, stream included, within the timeout: httpx's
+            # own limits each read, and a reply that keeps streaming never ends.
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                async with client.stream("POST", self.base + "/v1/completions", json=body) as r:
+                    self._unreachable = 0  # the server answered, whatever it said
+                    if r.status_code != 200:
+                        text = (await r.aread()).decode("utf-8", "replace")
+                        rec.error = f"HTTP {r.status_code}: {text[:300]}"
                         return
-            self._unreachable = 0
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        payload = line[6:].strip()
+                        if payload == "[DONE]":
+                            break
+                        self._on_chunk(json.loads(payload), rec, loop.time() - self._t0)
+                        if rec.error is not None:
+                            return
             if rec.prompt_tokens is None:
                 rec.error = "the stream ended without a usage chunk (is stream_options.include_usage honoured?)"
             elif rec.first_token is None:
                 rec.error = "the stream ended without a token"
+            elif rec.finish_reason == "abort" or (
+                rec.completion_tokens is not None and rec.completion_tokens < rec.max_tokens
+            ):
+                # ignore_eos: a whole reply is max_tokens long; a shorter one was cut off.
+                rec.error = (
+                    f"the reply ended early: {rec.completion_tokens} of {rec.max_tokens} tokens, "
+                    f"finish_reason {rec.finish_reason!r}"
+                )
             else:
                 rec.done = loop.time() - self._t0
+        except TimeoutError:
+            rec.error = f"no whole reply within the request timeout ({self.cfg.request_timeout_s:g} s)"
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             rec.error = f"cannot reach the server: {type(e).__name__}: {e}"
             self._unreachable += 1
@@ -282,6 +300,7 @@ class BenchClient:
 
     @staticmethod
     def _on_chunk(d: Any, rec: RequestRecord, now: float) -> None:
+        """Read one stream chunk into ``rec``; a chunk of another shape is the request's error."""
         if not isinstance(d, dict):
             rec.error = f"unexpected stream chunk {str(d)[:100]}"
             return
@@ -290,19 +309,37 @@ class BenchClient:
             rec.error = f"server error in the stream: {err.get('message', err) if isinstance(err, dict) else err}"[:300]
             return
         choices = d.get("choices") or []
+        usage = d.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        if (
+            not isinstance(choices, list)
+            or not all(isinstance(c, dict) for c in choices)
+            or not (usage is None or isinstance(usage, dict))
+            or not (details is None or isinstance(details, dict))
+        ):
+            rec.error = f"malformed stream chunk {json.dumps(d)[:100]}"
+            return
         if choices and rec.first_token is None:
             rec.first_token = now
         for c in choices:
             if c.get("finish_reason"):
-                rec.finish_reason = c["finish_reason"]
-        usage = d.get("usage")
+                rec.finish_reason = str(c["finish_reason"])[:40]
         if usage:
-            rec.prompt_tokens = usage.get("prompt_tokens")
-            rec.completion_tokens = usage.get("completion_tokens")
-            details = usage.get("prompt_tokens_details") or {}
-            rec.cached_tokens = details.get("cached_tokens")
+            counts = (usage.get("prompt_tokens"), usage.get("completion_tokens"), (details or {}).get("cached_tokens"))
+            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) for v in counts):
+                rec.error = f"malformed usage {json.dumps(usage)[:100]}"
+                return
+            rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = counts
         m = d.get("metrics")
         if isinstance(m, dict):
-            rec.server_ttft_ms = m.get("time_to_first_token_ms")
-            rec.server_queue_ms = m.get("queue_time_ms")
-            rec.server_generation_ms = m.get("generation_time_ms")
+            rec.server_ttft_ms = _ms(m.get("time_to_first_token_ms"))
+            rec.server_queue_ms = _ms(m.get("queue_time_ms"))
+            rec.server_generation_ms = _ms(m.get("generation_time_ms"))
+
+
+def _ms(v: Any) -> float | None:
+    """A finite, non-negative time in ms, or None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) and v >= 0 else None

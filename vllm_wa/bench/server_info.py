@@ -85,7 +85,9 @@ async def probe(client: httpx.AsyncClient, base: str, model: str | None = None) 
         raise BenchError(f"the server at {base} refused the API key (401 on /v1/models); pass the right --api-key")
     if status != 200 or not isinstance(body, dict) or not body.get("data"):
         raise BenchError(f"{base}/v1/models answered {status}: {str(body)[:200]}; is this a vLLM OpenAI server?")
-    models = {m.get("id"): m for m in body["data"] if isinstance(m, dict)}
+    models = {m["id"]: m for m in body["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)}
+    if not models:
+        raise BenchError(f"{base}/v1/models lists no model: {str(body)[:200]}; is this a vLLM OpenAI server?")
     if model is None:
         model = next(iter(models))
     elif model not in models:

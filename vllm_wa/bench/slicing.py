@@ -88,7 +88,8 @@ def reblock(trace: Trace, block_size: int) -> Trace:
         if old % block_size == 0 and max(r.hash_ids) >= limit:
             raise ValueError(f"request {r.request_id}: hash id too large to split into {block_size}-token blocks")
         reqs.append(replace(r, hash_ids=convert(r.hash_ids, r.input_tokens)))
-    out = Trace(trace.name, block_size, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    out = Trace(trace.name, block_size, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes),
+                conversations=trace.conversations)
     out.notes.append(f"re-blocked from {old}- to {block_size}-token blocks")
     return out
 
@@ -103,14 +104,40 @@ def truncate_prompts(trace: Trace, max_blocks: int) -> Trace:
             cut += 1
             r = replace(r, hash_ids=r.hash_ids[:max_blocks], input_tokens=max_blocks * bs)
         reqs.append(r)
-    out = Trace(trace.name, bs, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    out = Trace(trace.name, bs, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes),
+                conversations=trace.conversations)
     out.notes.append(f"{cut} of {len(reqs)} prompts truncated to their first {max_blocks} blocks ({max_blocks * bs} tokens)")
     return out
 
 
+def fit_prompts_to_blocks(reqs: list[TraceRequest], block_size: int) -> tuple[list[TraceRequest], int]:
+    """Prompts cut to the tokens their hash ids cover, and how many were cut.
+
+    The agentic traces hash full blocks only: a prompt's last partial block
+    (up to ``block_size - 1`` tokens) has no id, so nothing says what its
+    tokens are.  Sent as they stand, the prompt could not be spelled from its
+    ids, and re-blocking would name the uncovered tokens by the last id again.
+    A partial block is never cached, so the cut changes no hit.
+    """
+    out, cut = [], 0
+    for r in reqs:
+        covered = len(r.hash_ids) * block_size
+        if r.input_tokens > covered:
+            r = replace(r, input_tokens=covered)
+            cut += 1
+        out.append(r)
+    return out, cut
+
+
 def slice_trace(trace: Trace, spec: SliceSpec) -> Trace:
-    """Apply ``spec``: conversations, then duration, then re-blocking, then truncation."""
-    reqs: list[TraceRequest] = list(trace.requests)
+    """Apply ``spec``: conversations, then duration, then re-blocking, then truncation.
+
+    Prompts longer than their hash ids cover are cut to them first
+    (:func:`fit_prompts_to_blocks`).
+    """
+    reqs, uncovered = fit_prompts_to_blocks(list(trace.requests), trace.block_size)
+    if spec.conversations is not None and not trace.conversations:
+        raise ValueError(f"{trace.name} names no conversations to keep; cut it by time (--duration) instead")
     if spec.conversations is not None:
         first: dict[int, float] = {}
         for r in reqs:
@@ -122,7 +149,13 @@ def slice_trace(trace: Trace, spec: SliceSpec) -> Trace:
         reqs = [r for r in reqs if r.arrival < limit]
     if not reqs:
         raise ValueError(f"the slice ({spec.describe()}) holds no requests")
-    out = Trace(trace.name, trace.block_size, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes))
+    out = Trace(trace.name, trace.block_size, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes),
+                conversations=trace.conversations)
+    if uncovered:
+        out.notes.append(
+            f"{uncovered} of {len(trace.requests)} prompts cut to the full blocks their hash ids cover "
+            "(their last partial block has no id)"
+        )
     if spec.block_size is not None:
         out = reblock(out, spec.block_size)
     if spec.max_prompt_blocks is not None:

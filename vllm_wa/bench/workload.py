@@ -3,7 +3,9 @@
 Each conversation is replayed closed-loop: a turn is sent at
 ``max(its trace time, the previous reply's end + its think time)``, both
 scaled by the time scale, so a slow server delays a conversation's next turn
-the way a slow reply delays a person or a tool.
+the way a slow reply delays a person or a tool.  A trace that names no
+conversations (Mooncake's) is replayed open-loop: each request is sent at
+its own time, whatever the replies before it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Workload:
     name: str
     block_size: int
     requests: list[BenchRequest]
+    # Requests sent one after the other, by conversation; a trace without
+    # conversations has one entry a request, keyed by its negated index + 1.
     conversations: dict[int, list[int]]
     excluded_too_long: int = 0
     notes: list[str] = field(default_factory=list)
@@ -68,7 +72,8 @@ def build_workload(trace: Trace, max_output_tokens: int, max_model_len: int | No
     A request whose prompt plus reply would not fit ``max_model_len`` is left
     out (counted); build the slice so that none is.  Think time: the gap
     between a turn's arrival and the previous turn's arrival plus its recorded
-    service time (the whole gap when the trace records none).
+    service time (the whole gap when the trace records none).  Without
+    conversations in the trace every request stands alone (think time 0).
     """
     if max_output_tokens < 1:
         raise ValueError(f"max output tokens must be at least 1, got {max_output_tokens}")
@@ -81,7 +86,7 @@ def build_workload(trace: Trace, max_output_tokens: int, max_model_len: int | No
         if not (math.isfinite(r.arrival) and r.input_tokens >= 1 and len(r.hash_ids) >= 1):
             raise ValueError(f"request {r.request_id}: bad arrival time or empty prompt")
         max_tokens = max(1, min(r.output_tokens, max_output_tokens))
-        last = prev.get(r.conversation)
+        last = prev.get(r.conversation) if trace.conversations else None
         think = 0.0 if last is None else max(0.0, r.arrival - last[0] - last[1])
         prev[r.conversation] = (r.arrival, r.service_time or 0.0)
         if max_model_len is not None and r.input_tokens + max_tokens > max_model_len:
@@ -102,7 +107,7 @@ def build_workload(trace: Trace, max_output_tokens: int, max_model_len: int | No
                 max_tokens=max_tokens,
             )
         )
-        convs.setdefault(r.conversation, []).append(i)
+        convs.setdefault(r.conversation if trace.conversations else -1 - i, []).append(i)
     if not reqs:
         raise ValueError("no request of the trace fits the server's max_model_len")
     w = Workload(trace.name, trace.block_size, reqs, convs, too_long, list(trace.notes))
