@@ -580,3 +580,13 @@ def test_a_run_the_server_walked_out_of_exits_non_zero_and_keeps_its_records(tmp
 def test_a_models_list_without_a_model_object_is_a_clear_error():
     with FakeServer(FakeConfig(models_body='{"data": ["some-model"]}')) as srv, pytest.raises(BenchError, match="lists no model"):
         run_client(srv.url, small_trace())
+
+
+def test_the_tiny_model_is_built_from_the_command_line(tmp_path, capsys):
+    """The README's CPU recipe: ``python -m vllm_wa.bench.tiny_model DIR``, then ``vllm serve DIR``."""
+    from vllm_wa.bench.tiny_model import main
+
+    main([str(tmp_path / "tiny")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
+    config = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    assert config["max_position_embeddings"] >= 2048 and (tmp_path / "tiny" / "tokenizer.json").exists()

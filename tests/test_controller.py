@@ -1259,3 +1259,16 @@ def test_a_pin_or_an_unpin_restarts_the_real_cache_checks_turnover():
     evict(200)
     c.refit()
     assert c.tuner.real_check_since == 40.0
+
+
+def test_the_state_says_when_the_real_cache_check_began_counting():
+    """The README points operators at ``/wa/params`` ``real_check_since``; the
+    controller's state dropped the tuner's field."""
+    sink = EventSink(capacity=100000)
+    clock = [0.0]
+    c = WAController(small_config(initial="lru"), 200, Applied(), sink, clock=lambda: clock[0], publish=False)
+    clock[0] = feed(sink, clock[0])
+    c.refit()
+    assert c.state()["real_check_since"] == c.tuner.state(clock[0])["real_check_since"]
+    c.tuner.real_check_since = 12.5  # as a switch's turnover sets it
+    assert c.state()["real_check_since"] == 12.5

@@ -103,3 +103,20 @@ def build_tiny_hybrid_model(out: str, sliding_window: int = 64, max_position_emb
         sliding_window=sliding_window,
         pad_token_id=0,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m vllm_wa.bench.tiny_model DIR [--hybrid]``: a model to ``vllm serve DIR`` on a CPU."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a tiny random-weight model and its tokenizer (nothing is downloaded).")
+    ap.add_argument("out", metavar="DIR")
+    ap.add_argument("--hybrid", action="store_true", help="a Gemma 3 text model with a sliding-window layer")
+    ap.add_argument("--max-position-embeddings", type=int, default=2048)
+    args = ap.parse_args(argv)
+    build = build_tiny_hybrid_model if args.hybrid else build_tiny_model
+    print(build(args.out, max_position_embeddings=args.max_position_embeddings))
+
+
+if __name__ == "__main__":
+    main()

@@ -781,6 +781,8 @@ class WAController:
             "promotions": tuner["promotions"],
             "demotions": tuner["demotions"],
             "real_check_demotions": tuner["real_check_demotions"],
+            # When the real-cache check of the running candidate began counting (None: not yet).
+            "real_check_since": rnd(tuner["real_check_since"]),
             "replacements": tuner["replacements"],
             "seconds_on_candidate": tuner["seconds_on_candidate"],
             # The running candidate's prediction against the real cache (tuner.calibration).
