@@ -424,3 +424,100 @@ def test_extra_api_servers_install_the_outcome_hints_they_serve():
                              check=False)
         assert out.returncode == 0, out.stderr[-2000:]
         assert want in out.stdout
+
+
+# ---- what the review of the install path found (2026-12-05) -------------------------------------
+
+
+def test_a_number_the_parser_cannot_hold_is_a_clear_error_naming_the_file(tmp_path):
+    from vllm_wa.controller.config import ConfigError
+    from vllm_wa.params import WAParams
+    from vllm_wa.serving import plugin
+
+    huge = "9" * 5000  # past Python's 4,300-digit limit: a ValueError, not a JSONDecodeError
+    params = tmp_path / "p.json"
+    params.write_text('{"a": {"x": ' + huge + '}, "p": {"x": 0.5}}')
+    with pytest.raises(ParamsError, match="does not parse"):
+        WAParams.load(str(params))
+    with pytest.raises(SystemExit, match="p.json"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=None, wa_params=str(params)))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[controller]\nshadow_blocks = {huge}\n")
+    with pytest.raises(ConfigError, match="c.toml"):
+        ControllerConfig.load(str(cfg))
+
+
+def test_a_refit_interval_the_scheduler_cannot_run_is_refused():
+    from vllm_wa.controller.config import ConfigError
+
+    for bad in (1e14, 1e-9):  # apscheduler's OverflowError in the engine core; refits back to back
+        with pytest.raises(ConfigError, match="refit_interval_s"):
+            ControllerConfig(refit_interval_s=bad)
+    assert ControllerConfig(refit_interval_s=3600.0).refit_interval_s == 3600.0
+
+
+def test_a_vllm_wa_variable_it_cannot_use_is_an_error_not_a_default(monkeypatch):
+    from vllm_wa.serving import plugin
+    from vllm_wa.serving.settings import ENV_METRICS_INTERVAL, ENV_ONLINE, SettingsError
+
+    installed = []
+    monkeypatch.setattr(api_side, "install", installed.append)
+    monkeypatch.setenv(ENV_ONLINE, "1")
+    for bad in ("nan", "-3", "0", "abc", "1e-9", "1e9"):  # all became 5.0, or a 57,000-a-second poll
+        monkeypatch.setenv(ENV_METRICS_INTERVAL, bad)
+        with pytest.raises(SettingsError, match=ENV_METRICS_INTERVAL):
+            ServingSettings.from_env()
+        with pytest.raises(SystemExit, match=ENV_METRICS_INTERVAL):
+            plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=None, wa_params=None))
+    monkeypatch.setenv(ENV_METRICS_INTERVAL, "2.5")
+    assert ServingSettings.from_env().metrics_interval_s == 2.5
+    monkeypatch.setenv(ENV_ONLINE, "true")  # meant on; it was silently off
+    with pytest.raises(SettingsError, match="set it to 1"):
+        ServingSettings.from_env()
+    monkeypatch.setenv(ENV_ONLINE, "0")  # off: the other variables are not read
+    monkeypatch.setenv(ENV_METRICS_INTERVAL, "abc")
+    assert ServingSettings.from_env() == ServingSettings()
+    assert installed == []
+
+
+def _plugin_run(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_WA_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env={**base, **env})
+
+
+def test_an_unsupported_vllm_with_the_environment_switch_on_exits_naming_the_switch():
+    code = "import vllm; vllm.__version__ = '0.40.0'\nfrom vllm_wa.serving.plugin import register\nregister()"
+    out = _plugin_run(code, VLLM_WA_ONLINE="1")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr  # was a traceback through vLLM's plugin loader
+    assert "VLLM_WA_ONLINE=1 is set in the environment" in out.stderr and "0.40.0" in out.stderr
+
+
+def test_wa_options_without_wa_online_are_reported_not_silently_dropped():
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from types import SimpleNamespace\n"
+        "from vllm_wa.serving.plugin import register; register()\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "args = SimpleNamespace(wa_online=False, wa_config='/nonexistent.toml', wa_params=None, wa_allow_pin=True)\n"
+        "try:\n    EngineArgs.from_cli_args(args)\nexcept Exception:\n    pass  # vLLM's own needs every field\n"
+    )
+    out = _plugin_run(code)
+    assert "--wa-config, --wa-allow-pin have no effect without --wa-online" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_vllm_whose_cli_hooks_moved_still_starts_plain():
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm.platforms import current_platform\n"
+        "pre = current_platform.pre_register_and_update\n"
+        "EngineArgs.from_cli_args = staticmethod(lambda args: 'plain')  # another vLLM's API\n"
+        "from vllm_wa.serving.plugin import register; register()\n"
+        "assert current_platform.pre_register_and_update == pre  # no half-installed hook\n"
+        "print(EngineArgs.from_cli_args(None))\n"
+    )
+    out = _plugin_run(code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("plain")
+    assert "cannot add the --wa-* options to this vLLM" in out.stderr

@@ -383,7 +383,7 @@ class WAParams:
                 data = json.loads(data)
             except RecursionError:
                 raise ParamsError("params JSON is nested too deeply") from None
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
                 raise ParamsError(f"params JSON does not parse: {e}") from e
         if not isinstance(data, Mapping):
             raise ParamsError("params JSON must be an object with keys 'a' and 'p'")

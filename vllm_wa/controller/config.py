@@ -143,6 +143,9 @@ class ControllerConfig:
         )
         for name in positive:
             check_number(name, getattr(self, name), gt=0, error=ConfigError)
+        # The engine's refit job runs on this interval (apscheduler): a day at most,
+        # and not so short that refits run back to back.
+        check_number("refit_interval_s", self.refit_interval_s, ge=0.05, le=86400.0, error=ConfigError)
         for name in ("shadow_blocks", "event_capacity", "tuner_min_batches"):
             check_number(name, getattr(self, name), gt=0, integer=True, error=ConfigError)
         for name in ("min_samples", "tuner_margin", "tuner_full_window_margin", "swap_tolerance"):
@@ -302,7 +305,7 @@ class ControllerConfig:
             data = read_toml(path)
         except OSError as e:
             raise ConfigError(f"cannot read controller config {path}: {e}") from e
-        except TOMLDecodeError as e:
+        except (TOMLDecodeError, ValueError) as e:  # ValueError: an integer past Python's digit limit
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
         try:
             return cls.from_dict(data)

@@ -21,11 +21,13 @@ import logging
 import multiprocessing
 from typing import Any
 
-from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.settings import ENV_ONLINE, ServingSettings, SettingsError, metrics_interval_from_env
 
 logger = logging.getLogger(__name__)
 _WRAPPED = "__vllm_wa_wrapped__"
 _cli_hooked = False
+# The --wa-* options that do something only with --wa-online.
+_WA_OPTIONS = ("wa_config", "wa_params", "wa_allow_pin", "wa_bench_outcome_hints", "wa_public_params")
 
 
 # vLLM's name for the extra API-server processes (``--api-server-count``, which
@@ -36,11 +38,18 @@ _API_SERVER_PROCESS_PREFIX = "ApiServer"
 def register() -> None:
     """Entry point; cheap and idempotent (it runs in every vLLM process)."""
     _install_cli_options()
-    settings = ServingSettings.from_env()
+    try:
+        settings = ServingSettings.from_env()
+    except SettingsError as e:
+        raise SystemExit(f"vllm-wa: {e}") from None
     if settings.online:
+        from vllm_wa.engine_patch.compat import UnsupportedVLLMError
         from vllm_wa.serving import engine_side
 
-        engine_side.install()
+        try:
+            engine_side.install()
+        except UnsupportedVLLMError as e:
+            raise SystemExit(f"vllm-wa: {ENV_ONLINE}=1 is set in the environment, and {e}") from None
         if multiprocessing.current_process().name.startswith(_API_SERVER_PROCESS_PREFIX):
             # An extra API server parses the arguments before it loads plugins,
             # so enable_online() does not run there; the parent process checked
@@ -85,10 +94,20 @@ def _install_cli_options() -> None:
     if _cli_hooked:
         return
     _cli_hooked = True
+    try:
+        _hook_cli()
+    except Exception as e:  # another vLLM's API: plain vLLM must still start
+        logger.warning("vllm-wa: cannot add the --wa-* options to this vLLM (%s: %s); vllm-wa stays off",
+                       type(e).__name__, e)
+
+
+def _hook_cli() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
+    # Both originals first: a vLLM without either gets neither hook.
     orig_pre = current_platform.pre_register_and_update
+    orig_from = getattr(EngineArgs.from_cli_args, _WRAPPED, None) or EngineArgs.from_cli_args.__func__
     if getattr(orig_pre, _WRAPPED, None) is None:
 
         @functools.wraps(orig_pre)
@@ -105,14 +124,15 @@ def _install_cli_options() -> None:
         current_platform.pre_register_and_update = pre_register_and_update
 
     if getattr(EngineArgs.from_cli_args, _WRAPPED, None) is None:
-        orig_from = EngineArgs.from_cli_args.__func__
 
         @functools.wraps(orig_from)
         def from_cli_args(cls: Any, args: Any, *a: Any, **kw: Any) -> Any:
             if getattr(args, "wa_online", False):
                 enable_online(args)
-            elif getattr(args, "wa_bench_outcome_hints", False):
-                logger.warning("vllm-wa: --wa-bench-outcome-hints has no effect without --wa-online")
+            else:
+                ignored = [f"--{o.replace('_', '-')}" for o in _WA_OPTIONS if getattr(args, o, None)]
+                if ignored:
+                    logger.warning("vllm-wa: %s have no effect without --wa-online", ", ".join(ignored))
             return orig_from(cls, args, *a, **kw)
 
         setattr(from_cli_args, _WRAPPED, orig_from)
@@ -136,7 +156,8 @@ def enable_online(args: Any) -> ServingSettings:
                 WAParams.load(config.seed_params)
         if getattr(args, "wa_params", None):
             WAParams.load(args.wa_params)
-    except (UnsupportedVLLMError, ConfigError, ParamsError) as e:
+        metrics_interval = metrics_interval_from_env()
+    except (UnsupportedVLLMError, ConfigError, ParamsError, SettingsError) as e:
         raise SystemExit(f"vllm-wa: refusing to start with --wa-online: {e}") from None
     if getattr(args, "enable_prefix_caching", None) is False:
         raise SystemExit("vllm-wa: --wa-online needs prefix caching; drop --no-enable-prefix-caching")
@@ -145,7 +166,7 @@ def enable_online(args: Any) -> ServingSettings:
         config_path=getattr(args, "wa_config", None),
         params_path=getattr(args, "wa_params", None),
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
-        metrics_interval_s=ServingSettings.from_env().metrics_interval_s,
+        metrics_interval_s=metrics_interval,
         bench_outcome_hints=bool(getattr(args, "wa_bench_outcome_hints", False)),
         public_params=bool(getattr(args, "wa_public_params", False)),
     )

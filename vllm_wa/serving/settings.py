@@ -24,6 +24,10 @@ ENV_METRICS_INTERVAL = "VLLM_WA_METRICS_INTERVAL"
 ENV_BENCH_OUTCOME_HINTS = "VLLM_WA_BENCH_OUTCOME_HINTS"
 ENV_PUBLIC_PARAMS = "VLLM_WA_PUBLIC_PARAMS"
 
+# The API server polls the engines' state this often (seconds): each poll is a
+# call into every engine core.
+METRICS_INTERVAL_RANGE_S = (0.1, 3600.0)
+
 # Outcome reports one utility call carries from the API server to an engine
 # core (the engine applies no more from one call; the API server sends no more).
 MAX_OUTCOME_REPORTS_PER_CALL = 10_000
@@ -42,18 +46,21 @@ class ServingSettings:
 
     @classmethod
     def from_env(cls) -> ServingSettings:
-        try:
-            interval = float(os.environ.get(ENV_METRICS_INTERVAL, "5"))
-        except ValueError:
-            interval = 5.0
+        """The settings the environment holds; :class:`SettingsError` names a value it cannot use.
+
+        Off (``VLLM_WA_ONLINE`` unset or 0), the other variables are not read:
+        an installed vllm-wa then changes nothing, whatever they hold.
+        """
+        if not _flag(ENV_ONLINE):
+            return cls()
         return cls(
-            online=os.environ.get(ENV_ONLINE) == "1",
+            online=True,
             config_path=os.environ.get(ENV_CONFIG) or None,
             params_path=os.environ.get(ENV_PARAMS) or None,
-            allow_pin=os.environ.get(ENV_ALLOW_PIN) == "1",
-            metrics_interval_s=interval if interval > 0 else 5.0,
-            bench_outcome_hints=os.environ.get(ENV_BENCH_OUTCOME_HINTS) == "1",
-            public_params=os.environ.get(ENV_PUBLIC_PARAMS) == "1",
+            allow_pin=_flag(ENV_ALLOW_PIN),
+            metrics_interval_s=metrics_interval_from_env(),
+            bench_outcome_hints=_flag(ENV_BENCH_OUTCOME_HINTS),
+            public_params=_flag(ENV_PUBLIC_PARAMS),
         )
 
     def controller_config(self) -> ControllerConfig:
@@ -80,3 +87,30 @@ class ServingSettings:
         os.environ[ENV_METRICS_INTERVAL] = str(self.metrics_interval_s)
         os.environ[ENV_BENCH_OUTCOME_HINTS] = "1" if self.bench_outcome_hints else "0"
         os.environ[ENV_PUBLIC_PARAMS] = "1" if self.public_params else "0"
+
+
+class SettingsError(ValueError):
+    """A ``VLLM_WA_*`` variable holds a value vllm-wa cannot use."""
+
+
+def _flag(name: str) -> bool:
+    """A switch: 1 (on), 0 or unset (off); anything else is a mistake to report, not off."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise SettingsError(f"{name}={value!r}: set it to 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def metrics_interval_from_env() -> float:
+    """``VLLM_WA_METRICS_INTERVAL`` in seconds (5 when unset)."""
+    raw = os.environ.get(ENV_METRICS_INTERVAL, "")
+    if not raw:
+        return 5.0
+    lo, hi = METRICS_INTERVAL_RANGE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not lo <= value <= hi:  # NaN fails too
+        raise SettingsError(f"{ENV_METRICS_INTERVAL}={raw!r}: a poll interval in seconds from {lo:g} to {hi:g}")
+    return value
