@@ -482,7 +482,9 @@ def test_a_vllm_wa_variable_it_cannot_use_is_an_error_not_a_default(monkeypatch)
 
 def _plugin_run(code: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_WA_")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env={**base, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env={**base, **env}, check=False
+    )
 
 
 def test_an_unsupported_vllm_with_the_environment_switch_on_exits_naming_the_switch():

@@ -96,7 +96,7 @@ def _install_cli_options() -> None:
     _cli_hooked = True
     try:
         _hook_cli()
-    except Exception as e:  # another vLLM's API: plain vLLM must still start
+    except Exception as e:  # noqa: BLE001 -- another vLLM's API: plain vLLM must still start
         logger.warning("vllm-wa: cannot add the --wa-* options to this vLLM (%s: %s); vllm-wa stays off",
                        type(e).__name__, e)
 
