@@ -633,14 +633,15 @@ def test_a_block_freed_without_the_tagger_is_filed_as_untagged_not_by_its_old_co
     h.queue.check_invariants()
 
 
-def test_an_eviction_is_reported_only_for_content_whose_release_was(clock):
+@pytest.mark.parametrize("sample_rate", [0.999999, 1.0])  # hash-sampled (nearly every block in), or every block
+def test_an_eviction_is_reported_only_for_content_whose_release_was(clock, sample_rate):
     """A sampled block's EVICTED event pairs with the FREED event of the same
     content (the ghost table and the real cache's turnover count read it).  A
     block taken for new content and freed without the tagger (a window's,
     mid-request) made no FREED event, so its eviction makes no EVICTED one,
     whatever the flag of the content it held before said."""
     m = make_hybrid_manager(15, BS, sliding_window=32)
-    sink = EventSink(capacity=10_000, sample_rate=0.999999)  # hash-sampled, nearly every block in
+    sink = EventSink(capacity=10_000, sample_rate=sample_rate)
     h = install_wa_queue(m.block_pool, WAParams(stamp="lookup"), clock=clock, sink=sink)
     old = make_request("old", tokens(5000, 6), tag="chat")
     clock.t = 10.0

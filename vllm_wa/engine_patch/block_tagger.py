@@ -606,7 +606,11 @@ class BlockTagger:
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
-            if not all_ and flagged[bid] is not h:
+            if all_:  # every block's flag is on: the hash is what the eviction checks
+                if flagged[bid] is not h:
+                    flagged[bid] = h
+                    sampled[bid] = h is not None
+            elif flagged[bid] is not h:
                 flagged[bid] = h
                 sampled[bid] = h is not None and is_sampled(h)
             if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):

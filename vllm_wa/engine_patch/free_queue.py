@@ -719,13 +719,14 @@ class WorkloadAwareFreeQueue:
     def _emit_evicted(self, out: list[KVCacheBlock], start: int, now: float) -> None:
         sink = self.sink
         sampled, sampled_hash = self.sampled, self.sampled_hash
-        all_ = sink.samples_all
         for i in range(start, len(out)):
             b = out[i]
             h = b._block_hash
             # A flag describes the content whose hash it was computed for: a
-            # block freed without the tagger holds other content.
-            if h is not None and (all_ or (sampled[b.block_id] and sampled_hash[b.block_id] is h)):
+            # block freed without the tagger holds other content.  (With every
+            # block sampled the tagger still flags what it releases, so that
+            # holds there too, and another group's blocks stay unflagged.)
+            if h is not None and sampled[b.block_id] and sampled_hash[b.block_id] is h:
                 sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
