@@ -34,10 +34,12 @@ def blocks_after(order: Iterable[KVCacheBlock], cursor: KVCacheBlock | None) -> 
             found = True
 
 
-def next_use_table(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+def next_use_table(trace: Trace, unserved: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """``next_req[offsets[i] + j]``: index of the next request using block j of request i.
 
-    ``NEVER`` when no later request holds that block.
+    ``NEVER`` when no later request holds that block.  The requests in
+    ``unserved`` (indices of requests that do not fit the pool) use nothing:
+    they hit no block, so keeping a block for one of them is a loss.
     """
     lengths = np.fromiter((len(r.hash_ids) for r in trace.requests), dtype=np.int64, count=len(trace.requests))
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -55,6 +57,10 @@ def next_use_table(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     # occurrence there is no use of the cached block: skip to the next one.
     is_last = np.zeros(total, dtype=bool)
     is_last[offsets[1:][lengths > 0] - 1] = True
+    if len(unserved):
+        gone = np.zeros(len(lengths), dtype=bool)
+        gone[np.asarray(unserved, dtype=np.int64)] = True
+        is_last |= np.repeat(gone, lengths)  # no occurrence of theirs is a use either
     hittable = np.flatnonzero(~is_last[order])
     del is_last
     nxt_sorted = np.full(total, NEVER, dtype=np.int64)
@@ -311,7 +317,9 @@ class BeladyOracle:
         nxt = None
         q = self.queue
         stop = len(hashes) if stop is None else stop
-        for j in range(start, stop):
+        # Deepest first: re-ranked blocks join their bucket in this order,
+        # and a tie evicts a child before its parent, as the queue does.
+        for j in range(stop - 1, start - 1, -1):
             h = hashes[j]
             bs = blocks_of.get(h)
             if not bs:

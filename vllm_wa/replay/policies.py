@@ -10,7 +10,7 @@ engines call their ``request_hooks`` at the same points, with the hints
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,9 @@ from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.params import WAParams
-from vllm_wa.replay.belady import BeladyFreeQueue, BeladyOracle
+from vllm_wa.replay.belady import BeladyFreeQueue, BeladyOracle, next_use_table
 from vllm_wa.replay.peers import PEERS, PeerContext, PeerQueue, PeerSpec, RequestHints
-from vllm_wa.replay.trace import TraceRequest
+from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -43,6 +43,8 @@ class ReplayPolicy:
     tagger: BlockTagger | None = None
     oracle: BeladyOracle | None = None
     unbounded: bool = False  # the replay sizes the pool so nothing is evicted
+    # Replayed again once it is told which requests did not fit (skip_unserved).
+    replays_unserved: bool = False
     # Told about each request (lookup, admission, release) by the engines.
     request_hooks: Any = None
 
@@ -65,6 +67,9 @@ class ReplayPolicy:
 
     def report(self) -> dict[str, Any]:
         return {}
+
+    def skip_unserved(self, trace: Trace, unserved: Sequence[int]) -> None:
+        """The requests ``unserved`` (trace indices) did not fit the pool on the last pass."""
 
 
 @dataclass
@@ -105,10 +110,19 @@ class StaticWAPolicy(ReplayPolicy):
 
 @dataclass
 class OptPolicy(ReplayPolicy):
-    """Belady's optimum, from the trace's future."""
+    """Belady's optimum, from the trace's future.
+
+    The future includes which requests will not fit the pool (its pinned
+    blocks leave too few): they hit nothing, so their prompts are no reason
+    to keep a block.  The first pass finds them; the next runs without them.
+    """
 
     next_req: Any = None
     offsets: Any = None
+    replays_unserved: bool = True
+
+    def skip_unserved(self, trace: Trace, unserved: Sequence[int]) -> None:
+        self.next_req, self.offsets = next_use_table(trace, unserved)
 
     def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
         def make(blocks: list[KVCacheBlock]) -> Any:

@@ -105,6 +105,11 @@ def swap_tags(trace: Trace, swap: tuple[str, str], since: float) -> Trace:
     return trace.with_requests(out)
 
 
+# Replays of a policy that learns which requests do not fit (``opt``): the set
+# a pass finds feeds the next, until it stops changing (one more pass, mostly).
+MAX_UNSERVED_PASSES = 3
+
+
 def unbounded_blocks(trace: Trace) -> int:
     """A pool that never evicts on ``trace``: every unique block plus one per request."""
     return trace.unique_blocks() + len(trace.requests) + 2
@@ -119,20 +124,29 @@ def run_one(
     progress: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Replay ``trace`` through ``policy`` in a pool of ``num_blocks`` blocks."""
-    clock = SettableClock(trace.start)
     if policy.unbounded:
         num_blocks = unbounded_blocks(trace)
-    engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
-    res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
     win = cfg.window_seconds
-    win_hits: dict[int, list[int]] = {}
     t0, c0 = time.perf_counter(), time.process_time()
     # The replay allocates millions of small long-lived objects; the cyclic
     # collector would rescan them all again and again (3x slower runs).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        _replay_loop(trace, engine, policy, res, cfg, eval_start, win_hits, progress, clock)
+        unserved: list[int] = []
+        for run in range(MAX_UNSERVED_PASSES):
+            clock = SettableClock(trace.start)
+            engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
+            res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
+            win_hits: dict[int, list[int]] = {}
+            seen: list[int] = []
+            _replay_loop(trace, engine, policy, res, cfg, eval_start, win_hits, progress if run == 0 else None, clock, seen)
+            if not policy.replays_unserved or seen == unserved:
+                break
+            # Told which requests will not fit, the policy replays the trace again
+            # (Belady's future: a request that does not fit uses nothing).
+            unserved = seen
+            policy.skip_unserved(trace, unserved)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -157,7 +171,9 @@ def _replay_loop(
     win_hits: dict[int, list[int]],
     progress: Callable[[int], None] | None,
     clock: SettableClock,
+    unserved: list[int],
 ) -> None:
+    """Replay every request; ``unserved`` collects the indices of those that did not fit."""
     bs = trace.block_size
     lifetime = cfg.lifetime
     finishing: list[tuple[float, int]] = []
@@ -175,6 +191,8 @@ def _replay_loop(
         n_hit = engine.admit(i, req)
         if n_hit >= 0:
             heapq.heappush(finishing, (t + lifetime.service_time(req), i))
+        else:
+            unserved.append(i)
         hit_tokens = min(n_hit * bs, req.input_tokens) if n_hit > 0 else 0
         if t >= eval_start:
             res.requests += 1
