@@ -88,8 +88,8 @@ def reblock(trace: Trace, block_size: int) -> Trace:
         if old % block_size == 0 and max(r.hash_ids) >= limit:
             raise ValueError(f"request {r.request_id}: hash id too large to split into {block_size}-token blocks")
         reqs.append(replace(r, hash_ids=convert(r.hash_ids, r.input_tokens)))
-    out = Trace(trace.name, block_size, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes),
-                conversations=trace.conversations)
+    # Other ids: the file's ids of the old ones no longer name them.
+    out = replace(trace.with_requests(reqs), block_size=block_size, source_ids=None)
     out.notes.append(f"re-blocked from {old}- to {block_size}-token blocks")
     return out
 
@@ -104,8 +104,7 @@ def truncate_prompts(trace: Trace, max_blocks: int) -> Trace:
             cut += 1
             r = replace(r, hash_ids=r.hash_ids[:max_blocks], input_tokens=max_blocks * bs)
         reqs.append(r)
-    out = Trace(trace.name, bs, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes),
-                conversations=trace.conversations)
+    out = trace.with_requests(reqs)
     out.notes.append(f"{cut} of {len(reqs)} prompts truncated to their first {max_blocks} blocks ({max_blocks * bs} tokens)")
     return out
 
@@ -149,8 +148,7 @@ def slice_trace(trace: Trace, spec: SliceSpec) -> Trace:
         reqs = [r for r in reqs if r.arrival < limit]
     if not reqs:
         raise ValueError(f"the slice ({spec.describe()}) holds no requests")
-    out = Trace(trace.name, trace.block_size, reqs, trace.fmt, trace.synthetic, trace.skipped_lines, list(trace.notes),
-                conversations=trace.conversations)
+    out = trace.with_requests(reqs)
     if uncovered:
         out.notes.append(
             f"{uncovered} of {len(trace.requests)} prompts cut to the full blocks their hash ids cover "

@@ -606,14 +606,10 @@ class BlockTagger:
         for pos, b in enumerate(blocks):
             h = b._block_hash
             bid = b.block_id
-            if all_:  # every block's flag is on: the hash is what the eviction checks
-                if flagged[bid] is not h:
-                    flagged[bid] = h
-                    sampled[bid] = h is not None
-            elif flagged[bid] is not h:
+            if flagged[bid] is not h:  # with every block sampled too: the eviction checks the hash
                 flagged[bid] = h
-                sampled[bid] = h is not None and is_sampled(h)
-            if h is not None and b.ref_cnt == 1 and (all_ or sampled[bid]):
+                sampled[bid] = h is not None and (all_ or is_sampled(h))
+            if h is not None and b.ref_cnt == 1 and sampled[bid]:
                 reuse = counts[bid] if counted[bid] == h else 0
                 sink.emit(FreedEvent(EventKind.FREED, now, h, req, pos, reuse))
                 if reported is not None:

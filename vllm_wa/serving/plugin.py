@@ -107,7 +107,8 @@ def _hook_cli() -> None:
 
     # Both originals first: a vLLM without either gets neither hook.
     orig_pre = current_platform.pre_register_and_update
-    orig_from = getattr(EngineArgs.from_cli_args, _WRAPPED, None) or EngineArgs.from_cli_args.__func__
+    hooked_from = getattr(EngineArgs.from_cli_args, _WRAPPED, None)
+    orig_from = hooked_from or EngineArgs.from_cli_args.__func__
     if getattr(orig_pre, _WRAPPED, None) is None:
 
         @functools.wraps(orig_pre)
@@ -123,7 +124,7 @@ def _hook_cli() -> None:
         setattr(pre_register_and_update, _WRAPPED, orig_pre)
         current_platform.pre_register_and_update = pre_register_and_update
 
-    if getattr(EngineArgs.from_cli_args, _WRAPPED, None) is None:
+    if hooked_from is None:
 
         @functools.wraps(orig_from)
         def from_cli_args(cls: Any, args: Any, *a: Any, **kw: Any) -> Any:
