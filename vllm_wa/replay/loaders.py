@@ -34,12 +34,21 @@ BAILIAN_MAX_TURN = 4
 _OUTCOMES = {"tool_use": "tool", "end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}
 
 
+SKIP_BAD_HINT = "--skip-bad skips and counts such records"
+
+
 class TraceFormatError(ValueError):
     """A trace record that cannot be read; says where."""
 
     def __init__(self, where: str, message: str) -> None:
         super().__init__(f"{where}: {message}")
         self.where = where
+
+    @classmethod
+    def record(cls, where: str, message: str) -> TraceFormatError:
+        """One bad record: ``--skip-bad`` would read past it, and the message says so
+        (a real trace with a few odd records should not look like a dead end)."""
+        return cls(where, f"{message} ({SKIP_BAD_HINT})")
 
 
 @dataclass
@@ -313,7 +322,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
             if skip_bad:
                 skipped += 1
                 continue
-            raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
+            raise TraceFormatError.record(f"{path}:{lineno}", str(e)) from None
         seen.add(chat)
         synthetic = synthetic or flag
         parent_of[chat] = parent
@@ -353,7 +362,7 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
             if skip_bad:
                 skipped += 1
                 continue
-            raise TraceFormatError(f"{path}:{lineno}", str(e)) from None
+            raise TraceFormatError.record(f"{path}:{lineno}", str(e)) from None
         reqs.append(
             TraceRequest(
                 request_id=str(lineno),
@@ -546,7 +555,7 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
             if skip_bad:
                 skipped += 1
                 continue
-            raise TraceFormatError(where, str(e)) from None
+            raise TraceFormatError.record(where, str(e)) from None
         reqs.extend(part)
     trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path, skip_bad)
     trace.conversations = True
