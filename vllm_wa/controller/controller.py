@@ -348,6 +348,24 @@ class WAController:
             drift = self._drift[key] = ClassDrift(self.config.drift_delta, self.config.drift_forget)
         return drift
 
+    def _weight(self, observed_s: float) -> float:
+        """The weight of an observation that ends ``observed_s`` seconds after its block was freed.
+
+        Forgetting ages what is recorded, so an observation recorded with
+        weight 1 would weigh by when it *ended*: a long gap, a watch that
+        expired, a block still watched would all outweigh a short reuse of a
+        block freed at the same moment, and the fit would lean toward "never
+        reused" by as much as ``exp(max_watch_s / memory_s)``.  Recorded with
+        ``exp(-observed_s / memory_s)`` and then aged, every observation
+        weighs by its block's free time alone, which its outcome does not
+        change, and the weighted fit is unbiased on steady traffic.
+        """
+        return math.exp(-observed_s / self.config.memory_s) if observed_s > 0 else 1.0
+
+    def _lookup_weight(self, gaps: list[float]) -> float:
+        """A lookup's weight as one observation (``groups``): its reuses' mean weight."""
+        return sum(map(self._weight, gaps)) / len(gaps) if gaps else 0.0
+
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
         """The reuses one lookup found in a finest class: observations now,
         lookup counts and drift detection per key in :meth:`_count_lookup`."""
@@ -355,12 +373,12 @@ class WAController:
         self._fine_touched.add(fid)
         row = self._bank.rows[fid]
         for g in gaps:
-            row.add_event(g)
-        row.groups += 1.0
+            row.add_event(g, self._weight(g))
+        row.groups += self._lookup_weight(gaps)
 
     def _on_censored(self, fid: int, exposure: float) -> None:
         self._fine_touched.add(fid)
-        self._bank.rows[fid].add_censored(exposure)
+        self._bank.rows[fid].add_censored(exposure, self._weight(exposure))
 
     def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
         return self._folded(FINEST.components(request, position, reuse_count))
@@ -515,14 +533,16 @@ class WAController:
 
     def _at_risk(self, now: float) -> AtRisk:
         """Blocks still watched, as censored observations at their current
-        exposure: the finest classes that have some, and their binned counts."""
+        exposure (weighted as :meth:`_weight` says): the finest classes that
+        have some, and their binned counts."""
         if not len(self.tracker):
             return None
         arr = self.tracker.at_risk_array(now)
         fids = arr[:, 0].astype(np.int64)
-        bins = bin_exposures(arr[:, 1])
+        exposures = arr[:, 1]
+        bins = bin_exposures(exposures)
         counts = np.zeros((len(self._fine), NUM_BINS))
-        np.add.at(counts, (fids, bins), 1.0)
+        np.add.at(counts, (fids, bins), np.exp(-np.maximum(exposures, 0.0) / self.config.memory_s))
         rows = np.flatnonzero(counts.sum(axis=1))
         return rows, counts[rows]
 
@@ -549,7 +569,7 @@ class WAController:
                 by_class.setdefault(labels[fid], []).extend(gaps)
             drift = self._drift_of(key)
             for i, gaps in by_class.items():
-                lookups[i] += 1.0
+                lookups[i] += self._lookup_weight(gaps)
                 if drift.update(names[i], gaps):
                     drift.cut(names[i], self._bank.sum_rows(kc.rows(i)))
                     lookups[i] *= drift.forget

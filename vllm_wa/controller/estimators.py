@@ -48,8 +48,11 @@ def forgetting_factor(elapsed_s: float, memory_s: float) -> float:
 class ReuseEstimator:
     """Censored reuse statistics of one class, with drift detection.
 
-    Aging the statistics with time is the owner's (:func:`forgetting_factor`);
-    a drift cuts the class's memory here.
+    Aging the statistics with time is the owner's (:func:`forgetting_factor`
+    with ``memory_s``); each observation is recorded weighted by
+    ``exp(-observed / memory_s)``, so that, once aged, it weighs by its
+    block's free time and not by when it ended (the controller's
+    ``_weight``).  A drift cuts the class's memory here.
 
     >>> est = ReuseEstimator()
     >>> for gap in (2.0, 3.0, 5.0, 4.0):
@@ -62,6 +65,7 @@ class ReuseEstimator:
 
     drift_delta: float = 0.002
     drift_forget: float = 0.25
+    memory_s: float = math.inf  # the owner's forgetting time constant (inf: no aging)
     data: SurvivalData = field(default_factory=SurvivalData)
 
     def __post_init__(self) -> None:
@@ -83,9 +87,10 @@ class ReuseEstimator:
         if not gaps:
             return False
         gaps = [_seconds("gap", g) for g in gaps]
-        for g in gaps:
-            self.data.add_event(g)
-        self.data.groups += 1.0
+        weights = [self._weight(g) for g in gaps]
+        for g, w in zip(gaps, weights):
+            self.data.add_event(g, w)
+        self.data.groups += sum(weights) / len(weights)
         if self._drift.update(gaps):
             self.data.decay(self.drift_forget)
             return True
@@ -93,7 +98,11 @@ class ReuseEstimator:
 
     def censor(self, exposure: float) -> None:
         """No reuse within ``exposure`` seconds, and no longer watched."""
-        self.data.add_censored(_seconds("exposure", exposure))
+        exposure = _seconds("exposure", exposure)
+        self.data.add_censored(exposure, self._weight(exposure))
+
+    def _weight(self, observed_s: float) -> float:
+        return math.exp(-observed_s / self.memory_s)
 
     def get(self, family: str = "hyperexponential") -> ReuseModel | None:
         """The class's reuse model (None before any reuse was seen)."""
