@@ -12,7 +12,7 @@ import pytest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 
-from vllm_wa.controller.class_drift import LookupDrift
+from vllm_wa.controller.class_drift import ClassDrift, LookupDrift
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, forgetting_factor, pooled
@@ -23,6 +23,7 @@ from vllm_wa.controller.survival import (
     _E_LIK,
     _EM_CHUNK,
     _MIDS,
+    NUM_BINS,
     SurvivalData,
     fit_exponential,
     fit_hyperexponential,
@@ -62,7 +63,7 @@ def simulate_stream(p: float, a: float, evict_mean: float, n: int, seed: int, gh
     est = ReuseEstimator(drift_forget=1.0)  # a stationary stream: no forgetting
     tracker = ReuseTracker(
         ghost_capacity=ghost_capacity, watch_capacity=10 * n, max_watch_s=1e9,
-        on_reuse=lambda k, gaps, t: est.update_many(gaps), on_censored=lambda k, e: est.censor(e),
+        on_reuse=lambda k, gaps, t: est.update_many(gaps), on_censored=lambda k, e, t0: est.censor(e),
     )
     naive = SurvivalData()
     events = []
@@ -1281,13 +1282,17 @@ def test_the_state_says_when_the_real_cache_check_began_counting():
     assert c.state()["real_check_since"] == 12.5
 
 
-def test_forgetting_weighs_each_observation_by_its_blocks_free_time_so_steady_traffic_fits_its_law():
+@pytest.mark.parametrize("drift_forget", [1.0, 0.25])
+def test_forgetting_weighs_each_observation_by_its_blocks_free_time_so_steady_traffic_fits_its_law(drift_forget):
     """Blocks freed at a steady rate, 60 % reused after a 10-s or 600-s gap
     (70/30): the fit the controller keeps under forgetting must find that law.
     Recorded with weight 1 and then aged, an observation weighed by when it
     ended, so the blocks still watched and the watches that expired (up to
     ``max_watch_s`` after their free) outweighed the reuses, and the fit read
-    about half the reuse there is."""
+    about a third of the reuse within 30 s there is (0.14 against 0.41).
+    With drift cuts on (ADWIN fires a few times on this bimodal stream), a cut
+    that forgot what was recorded before it, and not the blocks freed before
+    it, kept those blocks' slow outcomes and dropped their quick ones (0.28)."""
     memory_s, watch_s, rate, horizon = 600.0, 2400.0, 2.0, 6000.0
     rng = random.Random(11)
     events: list[tuple[float, int, int]] = []  # (time, 0 = freed / 1 = looked up, block)
@@ -1300,11 +1305,9 @@ def test_forgetting_weighs_each_observation_by_its_blocks_free_time_so_steady_tr
             events.append((t + gap, 1, i))
         i += 1
     events.sort()
-    # Drift cuts off (a cut keeps everything): ADWIN fires now and then on this
-    # bimodal stream, and what a cut forgets is another matter than the weights.
     config = small_config(tuner_enabled=False, initial="tag/hyper/posterior/L10", sample_rate=1.0,
                           class_confidence=0.0, min_samples=30, memory_s=memory_s, max_watch_s=watch_s,
-                          drift_forget=1.0)
+                          drift_forget=drift_forget)
     sink = EventSink(capacity=1 << 20)
     now = [0.0]
     c = WAController(config, 100_000, Applied(), sink, clock=lambda: now[0])
@@ -1323,6 +1326,8 @@ def test_forgetting_weighs_each_observation_by_its_blocks_free_time_so_steady_tr
         else:
             sink.emit(LookupEvent(EventKind.LOOKUP, when, f"q{block}", "x", (("b", block),), ()))
     assert c.errors == 0
+    if drift_forget < 1.0:
+        assert any(e["key"] == "tag" for e in c.drift_events)  # the key fitted here was cut
     model = c.candidates["tag/hyper/posterior/L10"].params.models["x"]
 
     def reused_by(s: float) -> float:
@@ -1330,3 +1335,30 @@ def test_forgetting_weighs_each_observation_by_its_blocks_free_time_so_steady_tr
 
     for s in (30.0, 600.0):
         assert 1.0 - model.survival(s) == pytest.approx(reused_by(s), abs=0.05), s
+
+
+def test_a_drift_cut_forgets_the_blocks_freed_before_it_whenever_their_outcome_comes():
+    """A cut at t = 100 keeps ``forget`` of the class: of a block freed before
+    it, a reuse or a censoring recorded later is kept at ``forget`` too (a
+    second cut: ``forget`` squared), as is a block still watched; a block
+    freed after it counts in full.  Cut times no watched block predates are dropped."""
+    d = ClassDrift(forget=0.25)
+    counts = np.zeros((2, NUM_BINS))
+    counts[0, 3] = 8.0
+    d.cut("c", counts, 100.0)
+    data = SurvivalData(counts[0].copy(), counts[1].copy())
+    data.events[5] += 1.0  # a late reuse of a block freed at 50
+    d.forget_late("c", False, 5, 1.0, 50.0)
+    data.censored[7] += 2.0  # a censoring of a block freed at 150: kept in full
+    d.forget_late("c", True, 7, 2.0, 150.0)
+    view = d.view("c", data)
+    assert view.events[3] == pytest.approx(2.0) and view.events[5] == pytest.approx(0.25)
+    assert view.censored[7] == pytest.approx(2.0)
+    d.cut("c", np.stack((data.events, data.censored)), 200.0)
+    assert d.kept("c", 50.0) == pytest.approx(0.0625) and d.kept("c", 150.0) == 0.25 and d.kept("c", 250.0) == 1.0
+    watched = d.late_weights("c", np.array([50.0, 150.0, 250.0]), np.array([1.0, 1.0, 1.0]))
+    assert watched == pytest.approx([1 - 0.0625, 0.75, 0.0])
+    d.prune(120.0)
+    assert d.kept("c", 50.0) == 0.25 and d.late()
+    d.prune(200.0)
+    assert not d.late() and d.kept("c", 50.0) == 1.0

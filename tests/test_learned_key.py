@@ -152,7 +152,7 @@ def test_the_state_reports_a_learned_keys_classes_as_the_fit_pools_them():
     key = c.candidates[spec.name].key
     cells = c._class_data(key.cells, None)
     busiest = max(cells, key=lambda name: cells[name].n_events)
-    c._drift_of(key.cells).cut(busiest, np.stack((cells[busiest].events, cells[busiest].censored)))
+    c._drift_of(key.cells).cut(busiest, np.stack((cells[busiest].events, cells[busiest].censored)), c.last_refit)
     fitted: dict[str, float] = {}
     for name, d in c._class_data(key.cells, None).items():
         fitted[key.class_of(name)] = fitted.get(key.class_of(name), 0.0) + d.n_events

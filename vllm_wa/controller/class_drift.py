@@ -72,8 +72,17 @@ class ClassDrift:
     this key pools them*: the cut is held here, as counts to subtract from
     the pooled class (:meth:`view`), and ages as the observations do
     (:meth:`decay`), so the view after a cut is exactly ``forget`` times the
-    view before it, and later observations count in full.  State is bounded
-    by the key's classes (the controller's finest-class cap).
+    view before it.  What a cut forgets is the blocks freed before it, not
+    the observations recorded before it: a block freed before the cut whose
+    reuse, or censoring, comes after it is forgotten as its peers were
+    (:meth:`forget_late`, and the blocks still watched at a fit:
+    :meth:`late_weights`).  Forgetting only what was recorded would keep the
+    slow outcomes of those blocks and drop their quick ones, and lean every
+    fit after a cut toward "never reused".  Blocks freed after the cut count
+    in full.  State is bounded by the key's classes (the controller's
+    finest-class cap) and, for the cut times, by the watch limit
+    (:meth:`prune`).  A checkpoint keeps the cuts, not their times: after a
+    restart the late outcomes of blocks freed before a cut count in full.
     """
 
     delta: float = 0.002
@@ -81,6 +90,8 @@ class ClassDrift:
     drifts: int = 0
     _detectors: dict[str, LookupDrift] = field(default_factory=dict)
     _cuts: dict[str, np.ndarray] = field(default_factory=dict)
+    # Per class, the times of its cuts that blocks still watched may predate.
+    _cut_times: dict[str, list[float]] = field(default_factory=dict)
 
     def update(self, name: str, gaps: Sequence[float]) -> bool:
         """One lookup's reuses in class ``name``; True when its detector fired
@@ -93,13 +104,56 @@ class ClassDrift:
             return True
         return False
 
-    def cut(self, name: str, counts: np.ndarray) -> None:
-        """Forget ``1 - forget`` of class ``name``'s view; ``counts`` is its
-        pooled (events, censored) now, shape ``(2, NUM_BINS)``."""
+    def cut(self, name: str, counts: np.ndarray, t: float) -> None:
+        """Forget ``1 - forget`` of class ``name``'s view at time ``t``; ``counts``
+        is its pooled (events, censored) now, shape ``(2, NUM_BINS)``."""
         held = self._cuts.get(name)
         if held is None:
             held = np.zeros((2, NUM_BINS))
         self._cuts[name] = held + (1.0 - self.forget) * (counts - held)
+        self._cut_times.setdefault(name, []).append(t)
+
+    def late(self) -> bool:
+        """Whether some class has a cut that a block still watched may predate."""
+        return bool(self._cut_times)
+
+    def late_classes(self) -> list[str]:
+        """The classes with such a cut."""
+        return list(self._cut_times)
+
+    def kept(self, name: str, freed_at: float) -> float:
+        """What the cuts of class ``name`` keep of a block freed at ``freed_at``."""
+        times = self._cut_times.get(name)
+        if not times:
+            return 1.0
+        return self.forget ** sum(1 for c in times if c > freed_at)
+
+    def forget_late(self, name: str, censored: bool, gap_bin: int, weight: float, freed_at: float) -> None:
+        """An observation of class ``name`` (a reuse, or a censoring if
+        ``censored``, in bin ``gap_bin``, of weight ``weight``) recorded after a
+        cut its block predates: forget it as that cut forgot the block's peers."""
+        kept = self.kept(name, freed_at)
+        if kept < 1.0:
+            held = self._cuts.get(name)
+            if held is None:
+                held = self._cuts[name] = np.zeros((2, NUM_BINS))
+            held[int(censored), gap_bin] += (1.0 - kept) * weight
+
+    def late_weights(self, name: str, freed_at: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """What the cuts of class ``name`` forget of blocks still watched
+        (freed at ``freed_at``, of weights ``weights``), block by block."""
+        times = self._cut_times.get(name)
+        if not times:
+            return np.zeros_like(weights)
+        predates = (np.asarray(times)[None, :] > freed_at[:, None]).sum(axis=1)
+        return (1.0 - self.forget ** predates) * weights
+
+    def prune(self, before: float) -> None:
+        """Drop cut times no watched block predates (none freed by ``before`` is still watched)."""
+        for name, times in list(self._cut_times.items()):
+            times[:] = [c for c in times if c > before]
+            if not times:
+                del self._cut_times[name]
 
     def decay(self, factor: float) -> None:
         """Age the cuts as the observations they were taken from age (a cut
@@ -109,14 +163,18 @@ class ClassDrift:
             if held.sum() < _NEGLIGIBLE:
                 del self._cuts[name]
 
-    def view(self, name: str, data: SurvivalData) -> SurvivalData:
-        """``data`` (class ``name`` pooled) less what its drifts forgot."""
+    def view(self, name: str, data: SurvivalData, late_censored: np.ndarray | None = None) -> SurvivalData:
+        """``data`` (class ``name`` pooled) less what its drifts forgot, and less
+        ``late_censored`` (binned: what they forget of the blocks still watched)."""
         held = self._cuts.get(name)
-        if held is None:
+        if held is None and late_censored is None:
             return data
-        return SurvivalData(
-            np.maximum(data.events - held[0], 0.0), np.maximum(data.censored - held[1], 0.0), data.groups
-        )
+        events, censored = data.events, data.censored
+        if held is not None:
+            events, censored = events - held[0], censored - held[1]
+        if late_censored is not None:
+            censored = censored - late_censored
+        return SurvivalData(np.maximum(events, 0.0), np.maximum(censored, 0.0), data.groups)
 
     def cut_classes(self) -> list[str]:
         return list(self._cuts)
@@ -140,6 +198,6 @@ class ClassDrift:
     def retain(self, names: Iterable[str]) -> None:
         """Drop the detectors and cuts of classes no longer in the key."""
         keep = set(names)
-        for table in (self._detectors, self._cuts):
+        for table in (self._detectors, self._cuts, self._cut_times):
             for name in [n for n in table if n not in keep]:
                 del table[name]

@@ -46,7 +46,7 @@ from vllm_wa.controller.key_classes import KeyClasses
 from vllm_wa.controller.learned_key import LearnedKey, assign
 from vllm_wa.controller.reuse_tracker import ReuseTracker
 from vllm_wa.controller.shadow import ClassKey, ShadowCache
-from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures, separates, separation_threshold
+from vllm_wa.controller.survival import NUM_BINS, SurvivalData, bin_exposures, gap_bin, separates, separation_threshold
 from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink
@@ -197,6 +197,9 @@ class WAController:
         self._drift: dict[FeatureKey, ClassDrift] = {}
         # The finest classes the lookup being processed found reuses in, with their gaps.
         self._found: list[tuple[int, list[float]]] = []
+        # The blocks still watched at the last fit: finest class, exposure bin,
+        # weight and free time (see _late_censored).
+        self._watched: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.tracker = ReuseTracker(
             ghost_capacity=int(config.ghost_factor * sampled_cache),
             watch_capacity=2 * sampled_cache + 1024,
@@ -375,10 +378,28 @@ class WAController:
         for g in gaps:
             row.add_event(g, self._weight(g))
         row.groups += self._lookup_weight(gaps)
+        for g in gaps:
+            self._forget_late(fid, False, g, t - g)
 
-    def _on_censored(self, fid: int, exposure: float) -> None:
+    def _on_censored(self, fid: int, exposure: float, freed_at: float) -> None:
         self._fine_touched.add(fid)
         self._bank.rows[fid].add_censored(exposure, self._weight(exposure))
+        self._forget_late(fid, True, exposure, freed_at)
+
+    def _forget_late(self, fid: int, censored: bool, observed_s: float, freed_at: float) -> None:
+        """An observation of finest class ``fid`` whose block was freed at
+        ``freed_at``: each key whose class of it was cut since forgets it as
+        the cut forgot the block's peers (:class:`ClassDrift`)."""
+        for key, drift in self._drift.items():
+            if not drift.late():
+                continue
+            kc = self._key_classes.get(key)
+            if kc is None:
+                continue
+            if fid >= len(kc.labels):
+                kc.extend(self._fine)
+            drift.forget_late(kc.names[kc.labels[fid]], censored, gap_bin(max(0.0, observed_s)),
+                              self._weight(observed_s), freed_at)
 
     def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
         return self._folded(FINEST.components(request, position, reuse_count))
@@ -490,6 +511,8 @@ class WAController:
                     drift.decay(factor)
         self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
         self.tracker.expire(now)
+        for drift in self._drift.values():
+            drift.prune(now - self.config.max_watch_s)
         self._retire_fine(now)
         for cand in self.candidates.values():
             cand.shadow.expire(now, self.config.max_watch_s)
@@ -536,13 +559,17 @@ class WAController:
         exposure (weighted as :meth:`_weight` says): the finest classes that
         have some, and their binned counts."""
         if not len(self.tracker):
+            self._watched = None
             return None
         arr = self.tracker.at_risk_array(now)
         fids = arr[:, 0].astype(np.int64)
         exposures = arr[:, 1]
         bins = bin_exposures(exposures)
+        weights = np.exp(-np.maximum(exposures, 0.0) / self.config.memory_s)
         counts = np.zeros((len(self._fine), NUM_BINS))
-        np.add.at(counts, (fids, bins), np.exp(-np.maximum(exposures, 0.0) / self.config.memory_s))
+        np.add.at(counts, (fids, bins), weights)
+        # Kept for the keys whose cuts some of these blocks predate (_late_censored).
+        self._watched = (fids, bins, weights, now - exposures)
         rows = np.flatnonzero(counts.sum(axis=1))
         return rows, counts[rows]
 
@@ -571,7 +598,7 @@ class WAController:
             for i, gaps in by_class.items():
                 lookups[i] += self._lookup_weight(gaps)
                 if drift.update(names[i], gaps):
-                    drift.cut(names[i], self._bank.sum_rows(kc.rows(i)))
+                    drift.cut(names[i], self._bank.sum_rows(kc.rows(i)), t)
                     lookups[i] *= drift.forget
                     self.drift_events.append({"time": t, "key": key.name, "class": names[i]})
 
@@ -592,8 +619,27 @@ class WAController:
                 d.groups = min(g, d.groups)
         drift = self._drift.get(key)
         if drift is not None:
-            data = [drift.view(name, d) for name, d in zip(kc.names, data)]
+            late = self._late_censored(kc, labels, drift) if at_risk is not None else {}
+            data = [drift.view(name, d, late.get(name)) for name, d in zip(kc.names, data)]
         return dict(zip(kc.names, data))
+
+    def _late_censored(self, kc: KeyClasses, labels: np.ndarray, drift: ClassDrift) -> dict[str, np.ndarray]:
+        """For each class of ``kc`` cut since some of its watched blocks were
+        freed: what its cuts forget of them, binned by exposure."""
+        if not drift.late() or self._watched is None:
+            return {}
+        fids, bins, weights, freed_at = self._watched
+        classes = labels[fids]
+        out = {}
+        for name in drift.late_classes():
+            i = kc.index.get(name)
+            if i is None:
+                continue
+            mine = classes == i
+            if mine.any():
+                forgotten = drift.late_weights(name, freed_at[mine], weights[mine])
+                out[name] = np.bincount(bins[mine], weights=forgotten, minlength=NUM_BINS)
+        return out
 
     @staticmethod
     def _pooled_cells(key: LearnedKey, cells: dict[str, SurvivalData]) -> dict[str, SurvivalData]:

@@ -29,7 +29,7 @@ class ReuseTracker:
         watch_capacity: int,
         max_watch_s: float,
         on_reuse: Callable[[int, list[float], float], None],
-        on_censored: Callable[[int, float], None],
+        on_censored: Callable[[int, float, float], None],
     ) -> None:
         self.ghost_capacity = max(1, int(ghost_capacity))
         self.watch_capacity = max(1, int(watch_capacity))
@@ -48,7 +48,7 @@ class ReuseTracker:
         self.watch.move_to_end(block_hash)
         if len(self.watch) > self.watch_capacity:
             h, (k, t0) = self.watch.popitem(last=False)
-            self._censor(k, t - t0)
+            self._censor(k, t - t0, t0)
 
     def refile(self, block_hash: Any, freed_at: float, key: int) -> bool:
         """Move a block still watched since its free at ``freed_at`` to class
@@ -70,7 +70,7 @@ class ReuseTracker:
         self.ghost[block_hash] = entry
         if len(self.ghost) > self.ghost_capacity:
             _, (k, t0) = self.ghost.popitem(last=False)
-            self._censor(k, t - t0)
+            self._censor(k, t - t0, t0)
 
     def looked_up(self, hashes: Any, t: float) -> None:
         """A prompt with these (sampled) block hashes arrived at ``t``.
@@ -106,7 +106,7 @@ class ReuseTracker:
                 if t0 > limit:
                     break
                 del table[h]
-                self._censor(k, now - t0)
+                self._censor(k, now - t0, t0)
 
     def at_risk(self, now: float) -> Iterator[tuple[int, float]]:
         """(class, exposure) of every block still watched (not yet reused)."""
@@ -130,9 +130,9 @@ class ReuseTracker:
             for h, (k, t0) in table.items():
                 table[h] = (int(new_class[k]), t0)
 
-    def _censor(self, key: int, exposure: float) -> None:
+    def _censor(self, key: int, exposure: float, freed_at: float) -> None:
         self.censored += 1
-        self._on_censored(key, exposure)
+        self._on_censored(key, exposure, freed_at)
 
     def __len__(self) -> int:
         return len(self.watch) + len(self.ghost)
