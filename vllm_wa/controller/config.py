@@ -107,6 +107,10 @@ class ControllerConfig:
     max_watch_s: float = 7200.0
     drift_delta: float = 0.002
     drift_forget: float = 0.25
+    # Weigh each observation by its block's free time (unbiased under
+    # forgetting; also makes drift cuts forget by free time). Opt-in: see
+    # configs/controller.toml for what it changes in the measured hit rates.
+    weigh_by_free_time: bool = False
     event_capacity: int = 1 << 17
     max_classes: int = DEFAULT_MAX_CLASSES
     class_retire_s: float = 1800.0

@@ -361,8 +361,11 @@ class WAController:
         reused" by as much as ``exp(max_watch_s / memory_s)``.  Recorded with
         ``exp(-observed_s / memory_s)`` and then aged, every observation
         weighs by its block's free time alone, which its outcome does not
-        change, and the weighted fit is unbiased on steady traffic.
+        change, and the weighted fit is unbiased on steady traffic.  Only
+        with ``weigh_by_free_time`` (opt-in; weight 1 otherwise).
         """
+        if not self.config.weigh_by_free_time:
+            return 1.0
         return math.exp(-observed_s / self.config.memory_s) if observed_s > 0 else 1.0
 
     def _lookup_weight(self, gaps: list[float]) -> float:
@@ -389,7 +392,10 @@ class WAController:
     def _forget_late(self, fid: int, censored: bool, observed_s: float, freed_at: float) -> None:
         """An observation of finest class ``fid`` whose block was freed at
         ``freed_at``: each key whose class of it was cut since forgets it as
-        the cut forgot the block's peers (:class:`ClassDrift`)."""
+        the cut forgot the block's peers (:class:`ClassDrift`; with
+        ``weigh_by_free_time`` only)."""
+        if not self.config.weigh_by_free_time:
+            return
         for key, drift in self._drift.items():
             if not drift.late():
                 continue
@@ -565,7 +571,10 @@ class WAController:
         fids = arr[:, 0].astype(np.int64)
         exposures = arr[:, 1]
         bins = bin_exposures(exposures)
-        weights = np.exp(-np.maximum(exposures, 0.0) / self.config.memory_s)
+        if self.config.weigh_by_free_time:
+            weights = np.exp(-np.maximum(exposures, 0.0) / self.config.memory_s)
+        else:
+            weights = np.ones(len(exposures))
         counts = np.zeros((len(self._fine), NUM_BINS))
         np.add.at(counts, (fids, bins), weights)
         # Kept for the keys whose cuts some of these blocks predate (_late_censored).
@@ -626,7 +635,7 @@ class WAController:
     def _late_censored(self, kc: KeyClasses, labels: np.ndarray, drift: ClassDrift) -> dict[str, np.ndarray]:
         """For each class of ``kc`` cut since some of its watched blocks were
         freed: what its cuts forget of them, binned by exposure."""
-        if not drift.late() or self._watched is None:
+        if not self.config.weigh_by_free_time or not drift.late() or self._watched is None:
             return {}
         fids, bins, weights, freed_at = self._watched
         classes = labels[fids]
