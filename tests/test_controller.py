@@ -1360,3 +1360,14 @@ def test_a_drift_cut_forgets_the_blocks_freed_before_it_whenever_their_outcome_c
     assert d.kept("c", 50.0) == 0.25 and d.late()
     d.prune(200.0)
     assert not d.late() and d.kept("c", 50.0) == 1.0
+
+
+def test_a_gap_that_is_not_a_number_is_no_observation():
+    """``max(0.0, nan)`` is 0.0: a NaN gap was binned as an instant reuse, and one
+    such value beside a real 2-s gap made the fit read p = 1."""
+    d = SurvivalData()
+    d.add_event(float("nan"))
+    d.add_censored(float("nan"))
+    assert d.n == 0.0
+    d.add_event(float("inf"))  # an unbounded gap is the last bin's, as before
+    assert d.events[-1] == 1.0

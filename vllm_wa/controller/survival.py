@@ -69,10 +69,12 @@ class SurvivalData:
     groups: float = 0.0
 
     def add_event(self, gap: float, weight: float = 1.0) -> None:
-        self.events[gap_bin(max(0.0, gap))] += weight
+        if gap == gap:  # a gap that is not a number is no observation (max() would bin it as 0)
+            self.events[gap_bin(max(0.0, gap))] += weight
 
     def add_censored(self, exposure: float, weight: float = 1.0) -> None:
-        self.censored[gap_bin(max(0.0, exposure))] += weight
+        if exposure == exposure:
+            self.censored[gap_bin(max(0.0, exposure))] += weight
 
     def decay(self, factor: float) -> None:
         self.events *= factor
