@@ -1082,6 +1082,13 @@ def test_estimator_is_river_style_validates_and_its_example_runs():
     assert est.data.n == 0
     assert forgetting_factor(600.0, 600.0) == pytest.approx(math.exp(-1.0))
     assert forgetting_factor(0.0, 600.0) == 1.0
+    # An owner that ages the statistics with memory_s gets them weighted by free time.
+    aged = ReuseEstimator(memory_s=600.0)
+    aged.update_many([0.0, 600.0])
+    aged.censor(1200.0)
+    assert aged.data.n_events == pytest.approx(1.0 + math.exp(-1.0))
+    assert aged.data.groups == pytest.approx((1.0 + math.exp(-1.0)) / 2)
+    assert aged.data.censored.sum() == pytest.approx(math.exp(-2.0))
 
 
 def test_model_fit_refits_only_when_the_data_moved():
