@@ -16,6 +16,7 @@ bins, and the models are fitted by EM on the bins:
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,11 +70,11 @@ class SurvivalData:
     groups: float = 0.0
 
     def add_event(self, gap: float, weight: float = 1.0) -> None:
-        if gap == gap:  # a gap that is not a number is no observation (max() would bin it as 0)
+        if not math.isnan(gap):  # a gap that is not a number is no observation (max() would bin it as 0)
             self.events[gap_bin(max(0.0, gap))] += weight
 
     def add_censored(self, exposure: float, weight: float = 1.0) -> None:
-        if exposure == exposure:
+        if not math.isnan(exposure):
             self.censored[gap_bin(max(0.0, exposure))] += weight
 
     def decay(self, factor: float) -> None:
