@@ -370,6 +370,8 @@ class WAController:
 
     def _lookup_weight(self, gaps: list[float]) -> float:
         """A lookup's weight as one observation (``groups``): its reuses' mean weight."""
+        if not self.config.weigh_by_free_time:
+            return 1.0  # the hot path: no call per gap per key when the weights are all 1
         return sum(map(self._weight, gaps)) / len(gaps) if gaps else 0.0
 
     def _on_reuse(self, fid: int, gaps: list[float], t: float) -> None:
@@ -378,24 +380,29 @@ class WAController:
         self._found.append((fid, gaps))
         self._fine_touched.add(fid)
         row = self._bank.rows[fid]
-        for g in gaps:
-            row.add_event(g, self._weight(g))
-        row.groups += self._lookup_weight(gaps)
-        for g in gaps:
-            self._forget_late(fid, False, g, t - g)
+        if not self.config.weigh_by_free_time:
+            for g in gaps:
+                row.add_event(g)
+            row.groups += 1.0
+            return
+        weights = [self._weight(g) for g in gaps]
+        for g, w in zip(gaps, weights):
+            row.add_event(g, w)
+            self._forget_late(fid, False, g, w, t - g)
+        row.groups += sum(weights) / len(weights)
 
     def _on_censored(self, fid: int, exposure: float, freed_at: float) -> None:
         self._fine_touched.add(fid)
-        self._bank.rows[fid].add_censored(exposure, self._weight(exposure))
-        self._forget_late(fid, True, exposure, freed_at)
+        w = self._weight(exposure)
+        self._bank.rows[fid].add_censored(exposure, w)
+        if self.config.weigh_by_free_time:
+            self._forget_late(fid, True, exposure, w, freed_at)
 
-    def _forget_late(self, fid: int, censored: bool, observed_s: float, freed_at: float) -> None:
-        """An observation of finest class ``fid`` whose block was freed at
-        ``freed_at``: each key whose class of it was cut since forgets it as
-        the cut forgot the block's peers (:class:`ClassDrift`; with
-        ``weigh_by_free_time`` only)."""
-        if not self.config.weigh_by_free_time:
-            return
+    def _forget_late(self, fid: int, censored: bool, observed_s: float, weight: float, freed_at: float) -> None:
+        """An observation of finest class ``fid`` (of weight ``weight``) whose
+        block was freed at ``freed_at``: each key whose class of it was cut
+        since forgets it as the cut forgot the block's peers
+        (:class:`ClassDrift`; with ``weigh_by_free_time`` only)."""
         for key, drift in self._drift.items():
             if not drift.late():
                 continue
@@ -404,8 +411,7 @@ class WAController:
                 continue
             if fid >= len(kc.labels):
                 kc.extend(self._fine)
-            drift.forget_late(kc.names[kc.labels[fid]], censored, gap_bin(max(0.0, observed_s)),
-                              self._weight(observed_s), freed_at)
+            drift.forget_late(kc.names[kc.labels[fid]], censored, gap_bin(max(0.0, observed_s)), weight, freed_at)
 
     def _finest(self, request: Any, position: int, reuse_count: int) -> tuple:
         return self._folded(FINEST.components(request, position, reuse_count))

@@ -102,7 +102,7 @@ class ReuseEstimator:
         self.data.add_censored(exposure, self._weight(exposure))
 
     def _weight(self, observed_s: float) -> float:
-        return math.exp(-observed_s / self.memory_s)
+        return forgetting_factor(observed_s, self.memory_s)
 
     def get(self, family: str = "hyperexponential") -> ReuseModel | None:
         """The class's reuse model (None before any reuse was seen)."""
