@@ -252,10 +252,10 @@ def _drop_broken_chains(reqs: list[TraceRequest], path: str, skip_bad: bool) -> 
     while len(bad := broken_chains(reqs)):
         if not skip_bad:
             r = reqs[int(bad[0])]
-            raise TraceFormatError(
+            raise TraceFormatError.record(
                 path,
                 f"request {r.request_id} (at {r.arrival:g} s) breaks the prefix rule: one of its hash ids "
-                "repeats in it or follows another id than most of its appearances do (--skip-bad skips such requests)",
+                "repeats in it or follows another id than most of its appearances do",
             )
         drop = set(bad.tolist())
         reqs = [r for i, r in enumerate(reqs) if i not in drop]
