@@ -70,14 +70,7 @@ def test_round_trip_restores_estimators_params_and_version(saved, tmp_path):
     fresh = controller()
     assert fresh.load_checkpoint(str(path))
     assert len(fresh._bank) == len(c._bank)
-    # The same models; to the last bit only up to the order of sums (with
-    # weigh_by_free_time the observations carry fractional weights, and a
-    # restart re-adds them by class).
-    assert fresh.params.models.keys() == c.params.models.keys()
-    for name, model in c.params.models.items():
-        restored = fresh.params.models[name]
-        assert restored.weights == pytest.approx(model.weights, rel=1e-12), name
-        assert restored.rates == pytest.approx(model.rates, rel=1e-12), name
+    assert fresh.params.models == c.params.models
     # The parameter version continues where it stopped (defect 7's last part).
     assert fresh.version == c.version and fresh.params.version == c.version
 
