@@ -138,6 +138,39 @@ def test_tracker_refiles_only_the_free_it_was_told_of():
     assert sorted(reused) == [(1, [5.0]), (2, [10.0, 10.0])]
 
 
+def test_a_ghost_watched_past_max_watch_is_censored_wherever_eviction_order_put_it():
+    """The ghost table is in eviction order; a block freed early and evicted
+    late still leaves it ``max_watch_s`` after its free, not when the blocks
+    evicted before it do, and a later lookup of it is no reuse."""
+    reused: list[tuple[int, list[float]]] = []
+    censored: list[tuple[int, float, float]] = []
+    tr = ReuseTracker(
+        100, 100, 100.0, lambda k, gaps, t: reused.append((k, gaps)), lambda k, e, f: censored.append((k, e, f))
+    )
+    tr.freed("late", 1, 50.0)
+    tr.freed("early", 2, 0.0)  # freed (again) before "late": the table keeps free order by moving it
+    tr.freed("early", 2, 10.0)
+    tr.evicted("late", 60.0)  # a workload-aware queue evicts the later-freed block first
+    tr.evicted("early", 70.0)
+    tr.expire(120.0)  # "early" (freed at 10) is past 100 s; "late" (freed at 50) is not
+    assert censored == [(2, 110.0, 10.0)]
+    assert list(tr.ghost) == ["late"]
+    tr.looked_up(["early", "late"], 130.0)
+    assert reused == [(1, [80.0])]
+    tr.expire(1000.0)  # nothing left to censor, and the stale heap items are dropped
+    assert len(censored) == 1 and not tr.ghost
+
+
+def test_the_ghost_tables_free_time_heap_stays_bounded_under_churn():
+    tr = ReuseTracker(8, 8, 1e9, lambda k, gaps, t: None, lambda k, e, f: None)
+    for i in range(5000):
+        h = i % 3  # freed, evicted and brought back again and again
+        tr.freed(h, 1, float(i))
+        tr.evicted(h, float(i))
+        tr.looked_up([h], float(i) + 0.5)
+    assert not tr.ghost and len(tr._ghost_heap) <= 2 * tr.ghost_capacity + 64
+
+
 def test_hyperexponential_recovers_a_heavy_tailed_survival():
     rng = np.random.default_rng(0)
     n = 30000

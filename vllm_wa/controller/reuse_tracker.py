@@ -7,10 +7,17 @@ table*, so the true gap is still seen after an eviction.  A block that falls
 out of the ghost table (or is watched longer than ``max_watch_s``) becomes a
 censored observation at its exposure; blocks still watched count as censored
 at their current exposure when a fit is made.
+
+The watch table is in free order, so its expired blocks are at its head.  The
+ghost table is in eviction order, which a workload-aware queue makes unlike
+free order (a block freed early may be evicted late), so a heap of the
+ghosts' free times finds its expired blocks wherever they sit.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +45,11 @@ class ReuseTracker:
         self._on_censored = on_censored
         self.watch: OrderedDict[Any, Entry] = OrderedDict()
         self.ghost: OrderedDict[Any, Entry] = OrderedDict()
+        # (free time, tie-break, hash) of ghosts; an item whose ghost has
+        # gone (reused, pushed out, freed again) is dropped when it surfaces
+        # or when the heap outgrows the table (``_rebuild_ghost_heap``).
+        self._ghost_heap: list[tuple[float, int, Any]] = []
+        self._ghost_seq = itertools.count()
         self.reuses = 0
         self.ghost_reuses = 0
         self.censored = 0
@@ -68,9 +80,18 @@ class ReuseTracker:
         if entry is None:
             return
         self.ghost[block_hash] = entry
+        heapq.heappush(self._ghost_heap, (entry[1], next(self._ghost_seq), block_hash))
         if len(self.ghost) > self.ghost_capacity:
             _, (k, t0) = self.ghost.popitem(last=False)
             self._censor(k, t - t0, t0)
+        if len(self._ghost_heap) > 2 * self.ghost_capacity + 64:
+            self._rebuild_ghost_heap()
+
+    def _rebuild_ghost_heap(self) -> None:
+        """Drop the heap's items whose ghosts have gone: it stays within twice the table."""
+        seq = self._ghost_seq
+        self._ghost_heap = [(t0, next(seq), h) for h, (_, t0) in self.ghost.items()]
+        heapq.heapify(self._ghost_heap)
 
     def looked_up(self, hashes: Any, t: float) -> None:
         """A prompt with these (sampled) block hashes arrived at ``t``.
@@ -100,13 +121,20 @@ class ReuseTracker:
     def expire(self, now: float) -> None:
         """Censor blocks watched longer than ``max_watch_s``."""
         limit = now - self.max_watch_s
-        for table in (self.watch, self.ghost):
-            while table:
-                h, (k, t0) = next(iter(table.items()))
-                if t0 > limit:
-                    break
-                del table[h]
-                self._censor(k, now - t0, t0)
+        watch = self.watch
+        while watch:
+            h, (k, t0) = next(iter(watch.items()))
+            if t0 > limit:
+                break
+            del watch[h]
+            self._censor(k, now - t0, t0)
+        heap, ghost = self._ghost_heap, self.ghost
+        while heap and heap[0][0] <= limit:
+            t0, _, h = heapq.heappop(heap)
+            entry = ghost.get(h)
+            if entry is not None and entry[1] == t0:
+                del ghost[h]
+                self._censor(entry[0], now - t0, t0)
 
     def at_risk(self, now: float) -> Iterator[tuple[int, float]]:
         """(class, exposure) of every block still watched (not yet reused)."""
