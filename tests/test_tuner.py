@@ -94,6 +94,40 @@ def test_leads_early_loses_later_back_on_lru_within_the_demotion_window():
     assert tuner.active == LRU
 
 
+def test_a_demotion_on_a_short_dip_is_undone_when_the_lead_comes_back():
+    """WA leads LRU by 6 to 10 points for hours but for a dip of a few minutes: the
+    dip demotes it (a demotion is quick), and once WA leads again over the
+    demotion window since then, at the demotion's bar, it is back sooner
+    than the promotion bar, which starts its evidence again, could move it."""
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(0)
+    run(tuner, rng, 0.0, 1200.0, 0.30, 0.40)
+    assert tuner.active == WA
+    t = dip = 1200.0
+    while tuner.active == WA and t < dip + 600.0:  # the dip, until it demotes WA
+        run(tuner, rng, t, t + 5.0, 0.45, 0.20)
+        t += 5.0
+    assert tuner.active == LRU and tuner.reinstatable == WA
+    demoted = tuner.switches[-1].time
+    while tuner.active == LRU and t < 3600.0:  # a 6-point lead again
+        run(tuner, rng, t, t + 5.0, 0.30, 0.36)
+        t += 5.0
+    assert tuner.active == WA and [sw.reason for sw in tuner.switches] == ["promote", "demote", "promote"]
+    # Sooner than any promotion could: that needs min_batches batches since the demotion.
+    assert t - demoted < (SETTINGS.min_batches - 1) * SETTINGS.batch_s
+    assert tuner.reinstatable is None
+
+
+def test_a_demoted_candidate_that_stays_behind_is_not_reinstated():
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(5)
+    run(tuner, rng, 0.0, 1200.0, 0.30, 0.40)
+    run(tuner, rng, 1200.0, 1500.0, 0.45, 0.20)
+    assert tuner.active == LRU
+    run(tuner, rng, 1500.0, 3600.0, 0.40, 0.40)  # level with LRU: no lead to come back on
+    assert tuner.active == LRU and tuner.promotions == 1
+
+
 def stream_three(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, float, float]) -> None:
     """Like ``stream`` for three candidates (LRU, A, B), paired by one draw per block."""
     t = t0
@@ -576,6 +610,7 @@ def test_the_real_cache_check_demotes_a_candidate_its_miniature_cache_overstates
     checked = run_with_real_cache(True, 0.08)
     reasons = [(sw.reason, sw.to_candidate) for sw in checked.switches]
     assert reasons == [("promote", WA), ("real-check", LRU)]
+    assert checked.reinstatable is None  # the miniature caches were wrong: no quick way back
     assert checked.demotions == checked.real_check_demotions == 1
     promoted, demoted = checked.switches[0].time, checked.switches[1].time
     assert demoted - promoted <= SETTINGS.demote_window_s

@@ -83,6 +83,19 @@ with a batch-means standard error.
   demoted good candidates on noise (measured on the Mooncake trace at
   15 %: a 1.2-point lead demoted 36 s after its promotion, two batches
   in).  A demoted candidate's earlier lead no longer counts.
+* **Reinstatement** undoes a demotion as quickly as it was made: until
+  another switch, the candidate the miniature caches demoted goes back in
+  when it leads LRU's miniature cache over the demotion window since its
+  demotion, at the demotion's own bar (Student's t at
+  ``demote_confidence`` above ``margin``, three batches or more).  A
+  demotion is a test repeated at every refit over a short window, so a
+  candidate that leads for hours is demoted now and then by a short dip:
+  on the held-out agentic conversations (``--seed 1``, 8 %) the
+  lookup-stamped think-time key led LRU in every 10-minute window after
+  its demotion at 5,499 s, and the promotion bar, which starts its
+  evidence again from the demotion, kept the cache on LRU for the last
+  1,700 s.  A real-cache demotion is never undone this way: there the
+  miniature caches are what was wrong.
 * **The real-cache check** (``real_check``) tests the miniature caches'
   prediction where it matters.  The engine reports which of a lookup's
   sampled blocks the real cache had (``LookupEvent.real_hits``), and while a
@@ -322,6 +335,9 @@ class Tuner:
         self.demotions = 0  # every move back to LRU, the real-check's included
         self.real_check_demotions = 0
         self.replacements = 0
+        # The candidate the miniature caches last demoted, until another
+        # switch: it may be reinstated (see the module doc).
+        self.reinstatable: str | None = None
         self.seconds_on = {n: 0.0 for n in self.names}
         self._last = None
         self._t_quantiles: dict[tuple[float, int], float] = {}
@@ -459,7 +475,16 @@ class Tuner:
                 # Its miniature cache overstates it: later leads are discounted by as much.
                 overstated = self.calibration.overstatement(self.real_check_since, self.active)
                 self.overstated[self.active] = max(0.0, overstated)
-            return self._demote(now, reason, cmp, lb)
+            demoted = self.active
+            sw = self._demote(now, reason, cmp, lb)
+            if reason == "demote":
+                self.reinstatable = demoted
+            return sw
+        back = self._reinstatement(now)
+        if back is not None:
+            name, cmp, lb = back
+            self.promotions += 1
+            return self._switch(now, name, "promote", cmp, lb)
         promote = self._promotion(now)
         if promote is not None:
             name, cmp, lb = promote
@@ -475,6 +500,18 @@ class Tuner:
             self.replacements += 1
             return self._switch(now, name, "replace", cmp, lb)
         return None
+
+    def _reinstatement(self, now: float) -> tuple[str, Comparison, float] | None:
+        """The demoted candidate, if it leads LRU since its demotion at the demotion's bar."""
+        name = self.reinstatable
+        if name is None or self.active != LRU:
+            return None
+        s = self.settings
+        cmp = self.hits.compare(name, LRU, max(now - s.demote_window_s, self.evidence_since[name]))
+        if cmp.batches < 3:
+            return None
+        lb = cmp.lower(self._demote_quantile(cmp.batches))
+        return (name, cmp, lb) if lb > self._margin(name, s.margin) else None
 
     def _demote(self, now: float, reason: str, cmp: Comparison, lb: float) -> Switch:
         """Back to LRU; the demoted candidate's evidence starts again from now."""
@@ -518,6 +555,7 @@ class Tuner:
 
     def _switch(self, now: float, to: str, reason: str, cmp: Comparison, lb: float) -> Switch:
         sw = Switch(now, self.active, to, reason, cmp.lead, lb, cmp.batches, cmp.requests)
+        self.reinstatable = None
         self.switches.append(sw)
         self.active = to
         self.active_since = now
