@@ -126,6 +126,9 @@ def test_a_demoted_candidate_that_stays_behind_is_not_reinstated():
     assert tuner.active == LRU
     run(tuner, rng, 1500.0, 3600.0, 0.40, 0.40)  # level with LRU: no lead to come back on
     assert tuner.active == LRU and tuner.promotions == 1
+    # A promotion window after the demotion the quick way back is closed: a
+    # per-look bar tested for hours would bring a candidate back on noise.
+    assert tuner.reinstatable is None
 
 
 def stream_three(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tuple[float, float, float]) -> None:
