@@ -88,9 +88,9 @@ with a batch-means standard error.
   candidate the miniature caches demoted goes back in when it leads LRU's
   miniature cache over the demotion window since its demotion, at the
   demotion's own bar (Student's t at ``demote_confidence`` above
-  ``margin``, three batches or more).  A
-  demotion is a test repeated at every refit over a short window, so a
-  candidate that leads for hours is demoted now and then by a short dip:
+  ``margin``, three batches or more).  A demotion is a test repeated at
+  every refit over a short window, so a candidate that leads for hours is
+  demoted now and then by a short dip:
   on the held-out agentic conversations (``--seed 1``, 8 %) the
   lookup-stamped think-time key led LRU in every 10-minute window after
   its demotion at 5,499 s, and the promotion bar, which starts its
