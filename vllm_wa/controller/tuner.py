@@ -486,12 +486,7 @@ class Tuner:
             if reason == "demote":
                 self.reinstatable = demoted
             return sw
-        back = self._reinstatement(now)
-        if back is not None:
-            name, cmp, lb = back
-            self.promotions += 1
-            return self._switch(now, name, "promote", cmp, lb)
-        promote = self._promotion(now)
+        promote = self._reinstatement(now) or self._promotion(now)
         if promote is not None:
             name, cmp, lb = promote
             if name == LRU:
