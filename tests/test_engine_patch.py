@@ -474,6 +474,45 @@ def test_the_tagger_keeps_the_blocks_of_the_releases_it_remembers_only():
     assert len(tagger._reporting) <= 16
 
 
+def test_the_late_fact_memory_is_bounded_by_releases_and_blocks_not_by_request_ids():
+    """A client that cycles a few request ids keeps no more releases than one
+    with fresh ids (each id holds up to MAX_RELEASES_PER_ID releases: a cap on
+    ids alone kept 16 times ``remember_finished``), and long prompts keep at
+    most REMEMBERED_BLOCKS_PER_POOL_BLOCK pools of block ids however many
+    releases are remembered; the latest release still takes its late fact."""
+    clock = SettableClock()
+    blocks = [KVCacheBlock(i) for i in range(400)]
+    queue = WorkloadAwareFreeQueue(blocks, clock=clock)
+    tagger = block_tagger.BlockTagger(queue, blocks, class_key=OutcomeKey(), remember_finished=16)
+    digest = 0
+
+    def release(rid: str, n: int) -> None:
+        nonlocal digest
+        clock.advance(1.0)
+        held = queue.popleft_n(n)
+        for b in held:
+            digest += 1
+            b._block_hash = digest.to_bytes(8, "little") * 4
+            b.ref_cnt = 1
+        tagger.on_free(block_tagger.RequestTags(rid, outcome="stop"), held)
+        for b in held:
+            b.ref_cnt = 0
+        queue.append_n(held[::-1])
+
+    for r in range(400):
+        release(f"client-{r % 4}", 10)
+    remembered = [rec for recs in tagger._finished.values() for rec in recs]
+    assert len(remembered) == tagger._remembered_releases == 16
+    assert tagger._remembered_blocks == sum(len(g) for rec in remembered for g in rec.block_ids) == 160
+    for r in range(40):
+        release(f"long-{r}", 150)
+    remembered = [rec for recs in tagger._finished.values() for rec in recs]
+    kept = sum(len(g) for rec in remembered for g in rec.block_ids)
+    assert kept == tagger._remembered_blocks <= block_tagger.REMEMBERED_BLOCKS_PER_POOL_BLOCK * len(blocks)
+    assert len(remembered) == 5 and tagger._remembered_releases == 5
+    assert tagger.reclassify("long-39", "tool") == 150
+
+
 def test_wa_params_change_eviction_order_in_the_pool(clock):
     m = make_manager(13)
     params = WAParams(

@@ -52,6 +52,13 @@ MAX_LIVE_REQUESTS = 1 << 16
 # outcomes, all together; past it the oldest releases' are dropped (a late
 # outcome then refiles the live queue's blocks but not the controller's view).
 MAX_REPORTED_BLOCKS = 1 << 16
+# Releases remembered under one request id (a client may reuse its id): past
+# this many the key starts again.
+MAX_RELEASES_PER_ID = 16
+# Block ids (and hashes) the remembered releases keep, all together, in pool
+# sizes: only a block's last release can refile it, so at most one pool's worth
+# is ever useful, and prompts of any length keep the memory to this bound.
+REMEMBERED_BLOCKS_PER_POOL_BLOCK = 2
 # Releases are remembered for late outcomes under request ids of at most this
 # many characters: vLLM bounds neither a client's X-Request-Id nor a body's
 # request_id, and 4,096 remembered releases of 1-MB ids would hold 8 GB.
@@ -173,6 +180,10 @@ class BlockTagger:
         self._counted_hash: list[Any] = [None] * n
         self._owner = [0] * n
         self._serial = 0
+        # The remembered releases (all keys together) and the block ids they keep.
+        self._remembered_releases = 0
+        self._remembered_blocks = 0
+        self._max_remembered_blocks = REMEMBERED_BLOCKS_PER_POOL_BLOCK * max(1, n)
         self._looked_up: dict[str, _Lookup] = {}
         # Lookups of preempted requests, restored when they are looked up again.
         self._preempted: OrderedDict[str, _Lookup] = OrderedDict()
@@ -469,15 +480,27 @@ class BlockTagger:
                     owner[bid] = serial
         hashes = [[b._block_hash for b in blocks] for blocks in groups]
         recs = self._finished.get(key)
-        if recs is None or len(recs) >= 16:
+        if recs is None or len(recs) >= MAX_RELEASES_PER_ID:
             if recs:
                 self._forget(recs)
             recs = self._finished[key] = []
         rec = _FreedRequest(req, serial, ids, hashes, now, reported)
         recs.append(rec)
+        self._remembered_releases += 1
+        self._remembered_blocks += sum(len(group) for group in ids)
         self._finished.move_to_end(key)
-        while len(self._finished) > self._remember:
-            self._forget(self._finished.popitem(last=False)[1])
+        # Bounded by releases (not ids: a client cycling its ids would keep
+        # MAX_RELEASES_PER_ID times as many) and by blocks (a release keeps
+        # every block of its prompt): the oldest releases go first.
+        finished = self._finished
+        while self._remembered_releases > self._remember or self._remembered_blocks > self._max_remembered_blocks:
+            oldest = next(iter(finished))
+            old = finished[oldest]
+            if old[0] is rec:
+                break  # the release just made stays (it fits: one pool at most)
+            self._forget([old.pop(0)])
+            if not old:
+                del finished[oldest]
         reporting = self._reporting
         if reported:
             reporting.append(rec)
@@ -493,6 +516,8 @@ class BlockTagger:
         reach its head)."""
         for rec in recs:
             self._reported_blocks -= len(rec.reported)
+            self._remembered_releases -= 1
+            self._remembered_blocks -= sum(len(group) for group in rec.block_ids)
             rec.reported = ()
             rec.block_ids = rec.block_hashes = []
 

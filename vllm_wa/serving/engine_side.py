@@ -21,6 +21,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID, OUTCOMES
+from vllm_wa.engine_patch.compat import check_vllm_version
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventSink
 from vllm_wa.engine_patch.install import WAHandle, install_wa_queue
@@ -350,8 +351,6 @@ def install() -> None:
     """Engine-side patches (idempotent); only called when ``--wa-online`` is set."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
-
-    from vllm_wa.engine_patch.compat import check_vllm_version
 
     check_vllm_version()
     if getattr(Scheduler.__init__, _WRAPPED, None) is None:
