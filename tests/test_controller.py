@@ -896,6 +896,8 @@ def test_default_config_file_matches_defaults():
         ({"tuner": {"candidates": [{"horizon": 0}], "initial": "lru"}}, "candidates[0].horizon"),
         ({"tuner": {"candidates": [{"speed": 1}], "initial": "lru"}}, "candidates[0].speed"),
         ({"tuner": {"candidates": [{"stamp": "arrival"}], "initial": "lru"}}, "candidates[0].stamp"),
+        ({"tuner": {"candidates": [{"features": ["tag"], "lru": "no"}], "initial": "lru"}}, "candidates[0].lru"),
+        ({"controller": {"ghost_factor": 1e308}}, "ghost_factor"),
         ({"tuner": {"initial": "nope"}}, "initial"),
         ({"extra": {}}, "extra"),
     ],
@@ -1024,6 +1026,23 @@ def test_shadow_caches_release_requests_whose_finish_was_lost():
     assert sc.overflow == 1
     assert sc.expire(100.0, max_hold_s=50.0) == 3
     assert sc.cache.pool.num_free_blocks == 19
+
+
+def test_shadow_caches_hold_a_bounded_number_of_requests_whose_finish_was_lost(monkeypatch):
+    """Requests that share their sampled blocks (a common system prompt) are
+    always admitted; with their finishes lost (a full event sink) they were
+    held until they expired, max_watch_s later: a table that grew with the
+    request rate. Past the live-request cap the oldest is released."""
+    from vllm_wa.controller import shadow
+
+    monkeypatch.setattr(shadow, "MAX_LIVE_REQUESTS", 8)
+    sc = shadow.ShadowCache(CandidateSpec(("tag",)), num_blocks=20, max_classes=8, key=FeatureKey(("tag",)))
+    for i in range(50):
+        sc.lookup(f"r{i}", "t", [("system", j) for j in range(4)], float(i))
+    assert len(sc._since) == len(sc._tags) == 8 and sc.lost_finishes == 42
+    assert sorted(sc._since) == sorted(f"r{i}" for i in range(42, 50))
+    sc.finish("r49", None, 60.0)
+    assert len(sc._since) == 7
 
 
 def test_shadow_cache_files_by_final_outcome_and_refiles_a_late_one():
@@ -1411,3 +1430,26 @@ def test_a_gap_that_is_not_a_number_is_no_observation():
     assert d.n == 0.0
     d.add_event(float("inf"))  # an unbounded gap is the last bin's, as before
     assert d.events[-1] == 1.0
+
+
+def test_a_refit_at_a_clock_that_reads_nan_changes_nothing_and_is_counted():
+    """At NaN every watch looked expired: all were dropped as censored with no
+    exposure recorded, and forgetting was stamped NaN."""
+    sink = EventSink(capacity=1 << 20)
+    now = [0.0]
+    c = WAController(small_config(max_watch_s=7200.0), 200, Applied(), sink, clock=lambda: now[0])
+    now[0] = feed(sink, 0.0)
+    c.refit()
+    def observations() -> float:
+        return sum(row.n for row in c._bank.rows)
+
+    watched, last_forget, seen = len(c.tracker.watch), c._last_forget, observations()
+    assert watched > 0 and c.errors == 0
+    good = now[0]
+    now[0] = math.nan
+    c.refit()
+    assert c.errors == 1 and "nan" in c.last_error
+    assert (len(c.tracker.watch), c._last_forget, observations()) == (watched, last_forget, seen)
+    now[0] = good + 1.0
+    c.refit()
+    assert c.errors == 1 and len(c.tracker.watch) == watched

@@ -691,3 +691,10 @@ def test_a_candidate_the_tuner_started_on_is_checked_from_the_start():
         tuner.decide(t)
     assert [sw.reason for sw in tuner.switches] == ["real-check"]
     assert tuner.overstated[WA] == pytest.approx(0.08, abs=0.02)
+
+
+def test_time_on_a_candidate_is_counted_once_when_the_clock_steps_back():
+    tuner = Tuner(["lru", "x"])
+    for now in (0.0, 100.0, 50.0, 100.0, 110.0):  # 50 s replayed once
+        tuner.account(now)
+    assert tuner.seconds_on == {"lru": 110.0, "x": 0.0}

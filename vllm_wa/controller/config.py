@@ -21,6 +21,8 @@ from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES, MAX_CLASS_CAP
 # What the miniature caches see: hash-sampled blocks of every prompt, or the
 # whole chains of hash-sampled conversations.
 SHADOW_SAMPLING = ("block", "chain")
+# The ghost table's largest size, in sampled caches.
+MAX_GHOST_FACTOR = 100.0
 
 
 class ConfigError(ValueError):
@@ -175,6 +177,8 @@ class ControllerConfig:
                 "tuner_short_window_s must be 0 (off) or hold tuner_min_batches batches (tuner_min_batches x tuner_batch_s)"
             )
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
+        # The ghost table holds ghost_factor sampled caches: bounded memory.
+        check_number("ghost_factor", self.ghost_factor, gt=0, le=MAX_GHOST_FACTOR, error=ConfigError)
         check_number("tuner_real_check_turnover", self.tuner_real_check_turnover, ge=0, le=100, error=ConfigError)
         if self.sample_rate is not None:
             check_number("sample_rate", self.sample_rate, gt=0, le=1, error=ConfigError)
@@ -199,6 +203,8 @@ class ControllerConfig:
                 FeatureKey(tuple(c.features))
             except ValueError as e:
                 raise ConfigError(f"{where}.features: {e}") from None
+            if not isinstance(c.lru, bool):  # a truthy string would silently make it LRU
+                raise ConfigError(f"{where}.lru must be true or false, got {c.lru!r}")
             if c.family not in FAMILIES:
                 raise ConfigError(f"{where}.family must be one of {FAMILIES}, got {c.family!r}")
             if c.mode not in SCORE_MODES:

@@ -502,7 +502,12 @@ class WAController:
         """Drain, learn, tune, swap. Never raises."""
         t0 = time.perf_counter()
         try:
-            self._refit(self.clock())
+            now = self.clock()
+            if not math.isfinite(now):
+                # Checked before anything is drained: expiring every watch
+                # at NaN would censor them all with no exposure to record.
+                raise ValueError(f"the clock read {now!r}")
+            self._refit(now)
         except Exception as e:  # noqa: BLE001 - the job must keep running
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"

@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm_wa.controller.config import CandidateSpec
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.controller.learned_key import LearnedKey
-from vllm_wa.engine_patch.block_tagger import BlockTagger, RequestTags
+from vllm_wa.engine_patch.block_tagger import MAX_LIVE_REQUESTS, BlockTagger, RequestTags
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
 from vllm_wa.params import WAParams
 from vllm_wa.sim.clock import SettableClock
@@ -57,6 +57,8 @@ class ShadowCache:
         self.overflow = 0
         self._tags: dict[str, str] = {}
         self._since: dict[str, float] = {}  # request -> when it was admitted
+        # Requests released because more than MAX_LIVE_REQUESTS were held.
+        self.lost_finishes = 0
 
     def _make_queue(self, blocks: list) -> Any:
         if self.spec.lru:
@@ -94,6 +96,12 @@ class ShadowCache:
         else:
             self._tags[request_id] = tag
             self._since[request_id] = t
+            if len(self._since) > MAX_LIVE_REQUESTS:
+                # Finishes lost (a full event sink) would otherwise hold
+                # requests until they expire: release the oldest, as the
+                # engine's tagger forgets its oldest live request.
+                self.finish(next(iter(self._since)), None, t)
+                self.lost_finishes += 1
         return n_hit
 
     def finish(self, request_id: str, request: RequestTags | None, t: float) -> None:

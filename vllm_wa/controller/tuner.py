@@ -468,7 +468,8 @@ class Tuner:
         """Count the time since the last call on the running candidate."""
         if self._last is not None and now > self._last:
             self.seconds_on[self.active] += now - self._last
-        self._last = now
+        # A clock that steps back does not count the replayed stretch twice.
+        self._last = now if self._last is None else max(self._last, now)
 
     def decide(self, now: float) -> Switch | None:
         """Called at each refit: switch when the evidence says so."""
