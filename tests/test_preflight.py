@@ -47,6 +47,8 @@ def test_good_files_are_described_and_the_checkpoints_findings_counted_against_t
         ("config", "[controller]\nrefit_interval_s = -1\n", "would not start"),
         ("config", "[controler]\n", "would not start"),
         ("params", '{"a": {"chat": 0.01}, "p": {"chat": 1.5}}', "would not start"),
+        ("params", json.dumps({"a": {f"c{i}": 0.1 for i in range(65)}, "p": {f"c{i}": 0.5 for i in range(65)}}),
+         "65 classes, more than the class cap (64)"),
         ("checkpoint", "{not json", "would warn and start from its prior"),
         ("checkpoint", json.dumps({"version": 2, "classes": [], "params": {"a": {}, "p": {}}, "overstated": [1]}),
          "would warn and start from its prior"),

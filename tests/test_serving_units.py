@@ -16,8 +16,9 @@ from vllm.v1.request import RequestStatus
 
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
+from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID
 from vllm_wa.engine_patch.install import install_wa_queue
-from vllm_wa.params import ParamsError
+from vllm_wa.params import ParamsError, WAParams
 from vllm_wa.serving import api_side, engine_side
 from vllm_wa.serving import metrics as metrics_mod
 from vllm_wa.serving.engine_side import EngineWA, external_request_id, match_api_reports
@@ -158,6 +159,29 @@ def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
     assert calls == [3, 3, 2] and reporter.reported == 15
 
 
+def test_outcome_reports_under_ids_no_engine_remembers_are_dropped_in_the_api_server():
+    """The client chooses the id's length (X-Request-Id, the body's request_id);
+    an engine remembers no release under an id over MAX_LATE_FACT_ID, so a
+    fact about one was held and sent to every engine for nothing."""
+    calls = []
+
+    class Engines:
+        class engine_core:
+            @staticmethod
+            async def call_utility_all_async(method, items):
+                calls.append([rid for rid, _ in items])
+
+    before = report_counts()
+    reporter = api_side.OutcomeReporter(engine_client=Engines(), flush_interval=0.0)
+    long_id = "chatcmpl-" + "x" * MAX_LATE_FACT_ID
+    reporter.report(long_id, "tool")
+    reporter.report("chatcmpl-ok", "tool")
+    assert reporter.dropped == 1 and [rid for rid, _ in reporter._pending] == ["chatcmpl-ok"]
+    asyncio.run(reporter.report_now([[long_id, "tool"], ["cmpl-ok", "tool"]]))
+    assert calls == [["cmpl-ok"]] and reporter.dropped == 2
+    assert report_counts() == (before[0] + 1, before[1] + 2)
+
+
 def engine_with_outcome_key(num_blocks: int = 20):
     """A real KV-cache manager with the WA queue keyed by tag and outcome, and
     the engine core object the utility calls get: ``(manager, handle, ewa, core)``."""
@@ -295,6 +319,11 @@ def test_outcome_reports_reclassify_engine_blocks():
         ({"params": {"a": {"x": 1}, "p": {"x": 1.5}}}, r"\[0.0, 1.0\]"),
         ({"params": {"a": {"x": 1}, "p": {"x": 0.5}}, "features": ["color"]}, "features"),
         ({"params": {}, "mode": "auto"}, "no params"),
+        ({"mode": "auto", "features": "not-a-list"}, "no features"),
+        ({"mode": "auto", "features": ["tag"]}, "no features"),
+        # A mixture replaces the class's exponential, and its 'a' and 'p' are still checked.
+        ({"params": {"a": {"x": "junk"}, "p": {"x": 0.5}, "mixture": {"x": [[0.5, 1.0]]}}}, "class 'x'"),
+        ({"params": {"a": {"x": 1.0}, "p": {"x": 7}, "mixture": {"x": [[0.5, 1.0]]}}}, r"\[0.0, 1.0\]"),
         ({"other": 1}, "unknown field"),
         ({}, "to pin"),
         ("text", "JSON object"),
@@ -352,6 +381,18 @@ def test_bad_config_or_params_refuse_to_start(tmp_path):
     bad_params.write_text('{"a": {"x": 1}, "p": {"x": 9}}')
     with pytest.raises(SystemExit, match="p.json"):
         plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=None, wa_params=str(bad_params)))
+    # More classes than the class cap: the queue could use only the first ones,
+    # and every state snapshot would carry them all (200,000 took 0.4 s a poll).
+    cap = ControllerConfig().max_classes
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps({"a": {f"c{i}": 0.1 for i in range(cap + 1)}, "p": {f"c{i}": 0.5 for i in range(cap + 1)}}))
+    with pytest.raises(SystemExit, match=f"wide.json.*{cap + 1} classes.*class cap"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=None, wa_params=str(wide)))
+    seeded = tmp_path / "seeded.toml"
+    seeded.write_text(f'[controller]\nseed_params = "{wide}"\n')
+    with pytest.raises(SystemExit, match="wide.json.*class cap"):
+        plugin.enable_online(SimpleNamespace(wa_online=True, wa_config=str(seeded), wa_params=None))
+    assert len(WAParams.load(str(wide), max_classes=cap + 1).models) == cap + 1  # a config with a wider cap takes it
 
 
 def test_enable_online_keeps_the_operators_metrics_interval(monkeypatch):

@@ -372,11 +372,17 @@ class WAParams:
     # ---- the PR's JSON format -------------------------------------------------
 
     @classmethod
-    def from_pr_json(cls, data: Mapping[str, Any] | str, **overrides: Any) -> WAParams:
+    def from_pr_json(
+        cls, data: Mapping[str, Any] | str, *, max_classes: int | None = None, **overrides: Any
+    ) -> WAParams:
         """Read the PR #22236 format ``{"a": {cls: rate}, "p": {cls: prob}}``.
 
         Optional keys written by :meth:`to_pr_json`: ``L``, ``mode``,
         ``mixture`` (``{cls: [[w, a], ...]}``), ``default`` and ``stamp``.
+        ``max_classes``: the class cap of the queue they are for; more classes
+        than it is an error, found before any class is read (a queue never
+        uses the extra ones, and the engine would copy them into every state
+        snapshot).
         """
         if isinstance(data, str):
             try:
@@ -393,6 +399,8 @@ class WAParams:
         rates, probs = data.get("a"), data.get("p")
         if not isinstance(rates, Mapping) or not isinstance(probs, Mapping):
             raise ParamsError("params JSON needs objects 'a' (class -> rate) and 'p' (class -> prob)")
+        if max_classes is not None and len(rates) > max_classes:
+            raise ParamsError(f"params name {len(rates)} classes, more than the class cap ({max_classes})")
         if set(rates) != set(probs):
             diff = sorted(set(rates) ^ set(probs))
             raise ParamsError(f"classes {diff} appear in only one of 'a' and 'p'")
@@ -410,10 +418,10 @@ class WAParams:
                     f"(1-{MAX_CLASS_NAME_LENGTH} characters of A-Z a-z 0-9 _ . : -)"
                 )
             try:
-                if name in mixtures:
-                    models[name] = _model_from_json(mixtures[name])
-                else:
-                    models[name] = ReuseModel.exponential(probs[name], rates[name])
+                # 'a' and 'p' are checked even where a mixture replaces them
+                # (to_pr_json writes the mixture's own p and a there).
+                exponential = ReuseModel.exponential(probs[name], rates[name])
+                models[name] = _model_from_json(mixtures[name]) if name in mixtures else exponential
             except ParamsError as e:
                 raise ParamsError(f"class {name!r}: {e}") from None
         kwargs: dict[str, Any] = {"models": models, "source": "pr-json"}
@@ -441,14 +449,15 @@ class WAParams:
         return params
 
     @classmethod
-    def load(cls, path: str, **overrides: Any) -> WAParams:
+    def load(cls, path: str, *, max_classes: int | None = None, **overrides: Any) -> WAParams:
+        """Read a params file (:meth:`from_pr_json`)."""
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ParamsError(f"cannot read params file {path}: {e}") from e
         try:
-            return cls.from_pr_json(text, **overrides)
+            return cls.from_pr_json(text, max_classes=max_classes, **overrides)
         except ParamsError as e:
             raise ParamsError(f"{path}: {e}") from None
 

@@ -225,7 +225,7 @@ def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
         seen.add(comps)
         classes.append((comps, _survival(entry["data"], where)))
     try:
-        params = WAParams.from_pr_json(data.get("params"))
+        params = WAParams.from_pr_json(data.get("params"), max_classes=max_classes)
     except ParamsError as e:
         raise CheckpointError(f"params: {e}") from None
     if params.version > MAX_RESTORED_VERSION:

@@ -127,7 +127,7 @@ def start_online(
     conversations = ConversationTracker(max_age_s=config.max_watch_s, key_of=sink.sample_value)
     queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
-        prior = WAParams.load(config.seed_params)
+        prior = WAParams.load(config.seed_params, max_classes=config.max_classes)
 
     def apply(params: WAParams, class_key: ClassKey | None) -> None:
         if class_key is not None:

@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Any
 
+from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID
 from vllm_wa.serving import metrics
 from vllm_wa.serving.api_metrics import api_counters
 from vllm_wa.serving.params_api import make_router
@@ -57,7 +58,10 @@ class OutcomeReporter:
         self.dropped = 0  # facts lost: the buffer was full, or the engines refused a batch
 
     def report(self, request_id: str, outcome: str) -> None:
-        if len(self._pending) < MAX_PENDING_REPORTS:
+        if len(request_id) > MAX_LATE_FACT_ID:
+            # The client chose the id's length; no engine remembers a release under it.
+            self._drop(1, f"a request id is longer than {MAX_LATE_FACT_ID} characters")
+        elif len(self._pending) < MAX_PENDING_REPORTS:
             self._pending.append([request_id, outcome])
         else:
             self._drop(1, "the report buffer is full")
@@ -77,6 +81,10 @@ class OutcomeReporter:
         must reach the engine before its request does (see ``outcome_hints``).
         At most ``MAX_OUTCOME_REPORTS_PER_CALL`` a call, as the batches (a
         completion of many prompts has a fact for each)."""
+        usable = [item for item in items if len(item[0]) <= MAX_LATE_FACT_ID]
+        if len(usable) < len(items):
+            self._drop(len(items) - len(usable), f"a request id is longer than {MAX_LATE_FACT_ID} characters")
+        items = usable
         for start in range(0, len(items), MAX_OUTCOME_REPORTS_PER_CALL):
             chunk = items[start : start + MAX_OUTCOME_REPORTS_PER_CALL]
             try:

@@ -89,7 +89,7 @@ def _attach(sched: Any) -> None:
         logger.warning("vllm-wa: prefix caching is off; --wa-online has nothing to do")
         return
     cfg = ControllerConfig.load(settings.config_path) if settings.config_path else ControllerConfig()
-    prior = WAParams.load(settings.params_path) if settings.params_path else None
+    prior = WAParams.load(settings.params_path, max_classes=cfg.max_classes) if settings.params_path else None
     pool = manager.block_pool
     handles: list[WAHandle] = []
 

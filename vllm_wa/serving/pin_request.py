@@ -62,17 +62,15 @@ def parse_pin_request(body: Any, *, max_classes: int = DEFAULT_MAX_CLASSES) -> t
         raise PinRequestError(f"unknown field(s) {sorted(unknown)[:5]}; expected params, features or mode")
     mode = body.get("mode", "pinned" if "params" in body else None)
     if mode == "auto":
-        if "params" in body:
-            raise PinRequestError("mode 'auto' takes no params")
+        if "params" in body or "features" in body:
+            raise PinRequestError("mode 'auto' takes no params and no features")
         return None, None
     if mode != "pinned":
         raise PinRequestError("send {'params': {...}} to pin, or {'mode': 'auto'} to return to automatic mode")
     try:
-        params = WAParams.from_pr_json(body.get("params"))
+        params = WAParams.from_pr_json(body.get("params"), max_classes=max_classes)
     except ParamsError as e:
         raise PinRequestError(str(e)) from None
-    if len(params.models) > max_classes:
-        raise PinRequestError(f"a pin names at most {max_classes} classes (the class cap), got {len(params.models)}")
     features = body.get("features", ["tag"])
     if (
         not isinstance(features, list)

@@ -151,12 +151,11 @@ def enable_online(args: Any) -> ServingSettings:
 
     try:
         check_vllm_version()
-        if getattr(args, "wa_config", None):
-            config = ControllerConfig.load(args.wa_config)
-            if config.seed_params:  # what the engine core would load 60 s later
-                WAParams.load(config.seed_params)
+        config = ControllerConfig.load(args.wa_config) if getattr(args, "wa_config", None) else ControllerConfig()
+        if config.seed_params:  # what the engine core would load 60 s later
+            WAParams.load(config.seed_params, max_classes=config.max_classes)
         if getattr(args, "wa_params", None):
-            WAParams.load(args.wa_params)
+            WAParams.load(args.wa_params, max_classes=config.max_classes)
         metrics_interval = metrics_interval_from_env()
     except (UnsupportedVLLMError, ConfigError, ParamsError, SettingsError) as e:
         raise SystemExit(f"vllm-wa: refusing to start with --wa-online: {e}") from None

@@ -33,9 +33,9 @@ class Finding:
         return f"{'ok' if self.ok else 'REFUSED'}  {self.what} {self.path}: {self.detail}"
 
 
-def _params(what: str, path: str) -> Finding:
+def _params(what: str, path: str, config: ControllerConfig | None) -> Finding:
     try:
-        p = WAParams.load(path)
+        p = WAParams.load(path, max_classes=(config or ControllerConfig()).max_classes)
     except ParamsError as e:  # unreadable files too (WAParams.load says so)
         return Finding(what, path, False, f"the server would not start: {e}")
     return Finding(what, path, True, f"{len(p.models)} classes, mode {p.mode}, L = {p.horizon:g} s")
@@ -80,11 +80,11 @@ def preflight(
                 f"real-cache check {'on' if config.tuner_real_check else 'off'}",
             ))
             if config.seed_params:
-                out.append(_params("seed params", config.seed_params))
+                out.append(_params("seed params", config.seed_params, config))
             if config.checkpoint_path and not checkpoint_path:
                 out.append(_checkpoint(config.checkpoint_path, config))
     if params_path:
-        out.append(_params("params", params_path))
+        out.append(_params("params", params_path, config))
     if checkpoint_path:
         out.append(_checkpoint(checkpoint_path, config))
     return out
