@@ -260,6 +260,33 @@ def test_detection_reads_the_first_record_alone_past_a_bom_and_knows_every_tar_c
         assert detect_format(str(archive)) == "agentic" and len(load_trace(str(archive)).requests) == 1
 
 
+def test_a_zstd_trace_is_read_with_zstandard_or_named_for_what_it_is(tmp_path, monkeypatch):
+    """Without ``zstandard`` (an optional package) a .zst trace was a JSON
+    error on line 1 with the advice to pass --format, which could not help."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from vllm_wa.replay import loaders
+
+    text = ("\n".join(mooncake_line(1000.0 * i, (1, 2 + i)) for i in range(4)) + "\n").encode()
+    path = tmp_path / "trace.jsonl.zst"
+    path.write_bytes(loaders.ZSTD_MAGIC + b"frame")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # not installed
+    for read in (detect_format, lambda p: load_trace(p, "mooncake")):
+        with pytest.raises(TraceFormatError, match="zstd-compressed: decompress it first"):
+            read(str(path))
+    opened = []
+
+    def zstd_open(p, mode):
+        opened.append((p, mode))
+        return io.BytesIO(text)
+
+    monkeypatch.setitem(sys.modules, "zstandard", SimpleNamespace(open=zstd_open))
+    assert detect_format(str(path)) == "mooncake" and len(load_trace(str(path)).requests) == 4
+    assert opened and all(m == "rb" for _, m in opened)
+
+
 def test_reads_are_bounded_a_long_line_a_large_member_and_no_device_files(tmp_path, monkeypatch):
     """One 150-MB line of a gzipped trace took 550 MB, an archive's large
     members were all held at once, and a FIFO named ``trace_*.json`` read

@@ -71,8 +71,28 @@ MAX_RECORD_BYTES = 16 << 20
 MAX_CONVERSATION_BYTES = 256 << 20
 
 
+# Zstandard's frame magic (RFC 8878): traces are often shipped as .zst.
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def _open_binary(path: str) -> IO[bytes]:
+    if not os.path.isdir(path) and _starts_with(path, ZSTD_MAGIC):
+        try:
+            import zstandard  # optional: not a dependency of vllm-wa
+        except ImportError:
+            raise TraceFormatError(
+                path, "zstd-compressed: decompress it first (zstd -d), or pip install zstandard"
+            ) from None
+        return zstandard.open(path, "rb")
     return opener_for(path)(path, "rb")
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False  # the opener says why
 
 
 def check_trace_path(path: str) -> None:
