@@ -443,6 +443,27 @@ def test_ttl_tool_unpins_earliest_deadline_under_pressure():
     assert h.run([1, 2, 3, 4], 5.0, conversation=1) == 0
 
 
+def test_ttl_tool_pins_the_tool_callers_blocks_when_a_co_runner_frees_them_and_no_others():
+    """A tool call whose blocks another running request still holds frees
+    nothing at its release. The pin waited for the next release to take it,
+    which was another conversation's (no tool call): that one was pinned in
+    its place, and the tool caller's context went to LRU when its co-runner
+    freed it."""
+    h = Harness(peer("ttl-tool"), 8)
+    h.policy.queue.fixed_ttl_s = 100.0
+    tool, _ = h.admit([1, 2, 3], 0.0, conversation=0, outcome="tool")
+    co, _ = h.admit([1, 2, 3, 4], 1.0, conversation=1, outcome="stop")  # shares the prefix
+    h.release(tool, 10.0)  # frees nothing: the co-runner holds 1, 2, 3
+    h.run([10, 11, 12], 11.0, conversation=2, outcome="stop")  # no tool call: not pinned
+    queue = h.policy.queue
+    assert queue.pinned_free == 0
+    h.release(co, 21.0)  # 1, 2, 3 join conversation 0's pin; 4 goes to LRU
+    assert queue.pinned_free == 3
+    h.run([30, 31, 32, 33, 34], 25.0, conversation=3, outcome="stop")  # pressure: evicts 10-12 and 4
+    assert h.run([1, 2, 3, 5], 40.0, conversation=0) == 3
+    assert queue.pinned_free == 0 and all(m is None for m in queue.member_of)
+
+
 def test_ttl_choice_maximizes_return_probability_minus_holding_cost():
     assert best_ttl([1.0, 1.0, 1.0, 1.0, 100.0], break_even_s=10.0) == 1.0
     assert best_ttl([1.0, 1.0, 1.0, 1.0, 100.0], break_even_s=1e6) == 100.0

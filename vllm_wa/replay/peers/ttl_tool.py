@@ -66,7 +66,10 @@ def exponential_ttl(mean_s: float, break_even_s: float) -> float:
 @dataclass
 class _Pin:
     deadline: float
-    blocks: list[KVCacheBlock] = field(default_factory=list)
+    # The tool-call request's blocks (ids), which the pin holds as they are
+    # freed: another running request may still hold some at its release.
+    members: list[int] = field(default_factory=list)
+    blocks: list[KVCacheBlock] = field(default_factory=list)  # pinned free blocks
 
 
 class TTLToolQueue(PeerQueue):
@@ -93,11 +96,11 @@ class TTLToolQueue(PeerQueue):
         self.lru = FreeKVCacheBlockQueue([])
         n = max((b.block_id for b in blocks), default=-1) + 1 if num_block_ids is None else num_block_ids
         self.pin_of: list[Any] = [None] * n  # conversation whose pin holds the free block
+        self.member_of: list[Any] = [None] * n  # conversation whose pin claims the block, free or held
         self.pins: dict[Any, _Pin] = {}
         self._deadlines: list[tuple[float, int, Any]] = []
         self._seq = 0
         self.pinned_free = 0
-        self._pin_next: tuple[Any, float] | None = None
         self._left_at: dict[Any, float] = {}  # conversation -> when its tool-call reply left
         self.durations: list[float] = []  # sorted
         self.ttl = 0.0
@@ -128,6 +131,10 @@ class TTLToolQueue(PeerQueue):
         pin = self.pins.pop(conv, None)
         if pin is None:
             return
+        member_of = self.member_of
+        for bid in pin.members:
+            if member_of[bid] == conv:
+                member_of[bid] = None
         pin_of = self.pin_of
         freed = []
         for b in pin.blocks:
@@ -166,22 +173,33 @@ class TTLToolQueue(PeerQueue):
         ttl = self.current_ttl()
         self.ttls_used.append(ttl)
         if ttl > 0:
-            self._pin_next = (conv, now + ttl)
+            # The blocks it frees now (right after this call) are pinned, and
+            # those another request still holds when that one frees them.
+            pin = self.pins[conv] = _Pin(now + ttl, [b.block_id for b in blocks])
+            member_of = self.member_of
+            for bid in pin.members:
+                member_of[bid] = conv
+            self._seq += 1
+            heapq.heappush(self._deadlines, (pin.deadline, self._seq, conv))
 
     # ---- queue --------------------------------------------------------------------------------
 
     def _free_cached(self, blocks: list[KVCacheBlock]) -> None:
-        pin_next, self._pin_next = self._pin_next, None
-        if pin_next is None:
+        member_of = self.member_of
+        if not self.pins or all(member_of[b.block_id] is None for b in blocks):
             self.lru.append_n(blocks)
             return
-        conv, deadline = pin_next
-        self.pins[conv] = _Pin(deadline, list(blocks))
+        pin_of, pins = self.pin_of, self.pins
+        unpinned = []
         for b in blocks:
-            self.pin_of[b.block_id] = conv
-        self.pinned_free += len(blocks)
-        self._seq += 1
-        heapq.heappush(self._deadlines, (deadline, self._seq, conv))
+            conv = member_of[b.block_id]
+            if conv is None:
+                unpinned.append(b)
+            else:
+                pin_of[b.block_id] = conv
+                pins[conv].blocks.append(b)
+                self.pinned_free += 1
+        self.lru.append_n(unpinned)
 
     def _unfree_cached(self, block: KVCacheBlock) -> None:
         if self.pin_of[block.block_id] is not None:
