@@ -345,6 +345,36 @@ def test_tlru_at_either_end_of_its_budget_marks_every_block_or_none():
     assert not any(tel_safe(none))
 
 
+def test_tlru_history_counts_the_tokens_with_kv_prompt_and_output_but_the_last():
+    """SGLang's cache_finished_req inserts (prompt + output)[:-1], page-aligned:
+    a history of 8 blocks and 16 output tokens (one page exactly) is 8 pages
+    long, not 9 (which moved the TEL-safe line one block deeper)."""
+    for output, pages, safe in ((15, 8, 4), (16, 8, 4), (17, 9, 3)):
+        p = peer("tlru", 1.0)
+        p.prefill_tokens_per_s = 64 + 200  # xi - Q_hat = 64 tokens
+        h = Harness(p, 18)
+        h.run(list(range(1, 9)), 1.0, output_tokens=output)
+        assert max(h.policy.queue.history_len) == pages * BS
+        assert sum(tel_safe(h)) == safe
+
+
+def test_session_gates_a_new_session_before_evicting_for_it():
+    """SAECachePolicy.evict declines a new session against the sessions as
+    they stand, the worst one included; gated after the eviction (which had
+    removed that session) it declined more, and a declined store's blocks are
+    reused first: here N's blocks, lost to the next request."""
+    h = Harness(peer("session"), 44)
+    base = list(range(1, 41))
+    h.run(base, 1.0)  # 40 blocks, one session
+    h.run(base[:39] + [50, 51], 2.0)  # hits 39 of its 40: a fresh session, deep (a small bonus)
+    h.run([100, 101], 3.0)
+    h.run([200, 201, 202], 4.0)  # N: evicts the worst session for its 3 blocks
+    q = h.policy.queue
+    assert q._sessionless.num_free_blocks == 0  # admitted as a session of its own
+    h.run([300, 301, 302], 5.0)
+    assert h.run([200, 201, 202], 6.0) == 1
+
+
 def test_session_evicts_the_least_touched_session_tail_first():
     def script(h):
         h.run([1, 2, 3], 1.0)  # session A

@@ -197,6 +197,11 @@ class SessionQueue(PeerQueue):
         self._next_session = 0
         self._merge_target: int | None = None
         self._evicted_this_request = False
+        # The admission gate, as the source evaluates it: before this
+        # request's first eviction, on its hits (None: not evaluated, for a
+        # request that evicted nothing or continues a session).
+        self._admits_new_session: bool | None = None
+        self._lookup_hits = 0
         # Blocks of declined stores: no session, reused first, LRU among them.
         self._sessionless = FreeKVCacheBlockQueue([])
         n = max((b.block_id for b in blocks), default=-1) + 1 if num_block_ids is None else num_block_ids
@@ -219,6 +224,8 @@ class SessionQueue(PeerQueue):
             if s is not None and s.live == sum(1 for b in hit_blocks if session_of[b.block_id] == sid):
                 self._merge_target = sid
         self._evicted_this_request = False
+        self._admits_new_session = None
+        self._lookup_hits = len(hit_blocks)
         self._touch(hashes, hit_blocks)
 
     def _touch(
@@ -301,7 +308,7 @@ class SessionQueue(PeerQueue):
             return
         if target is not None and target not in self.sessions:
             target = None
-        if target is None and self._evicted_this_request and not self._admission_allows_new_session(n_hit):
+        if target is None and self._admits_new_session is False:
             return  # declined: the new blocks join no session
         if target is not None:
             s = self.sessions[target]
@@ -383,6 +390,11 @@ class SessionQueue(PeerQueue):
                 e[2] = tick
 
     def _evict(self, n: int) -> list[KVCacheBlock]:
+        if not self._evicted_this_request and self._merge_target is None:
+            # SAECachePolicy.evict declines a new session before it collects
+            # victims: against the sessions as they stand, the worst included
+            # (a continuation is never declined).
+            self._admits_new_session = self._admission_allows_new_session(self._lookup_hits)
         self._evicted_this_request = True
         out: list[KVCacheBlock] = []
         loose = self._sessionless

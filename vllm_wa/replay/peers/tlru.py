@@ -52,7 +52,9 @@ class TLRUQueue(RadixLeafQueue):
     def _insert(self, bids: list[int], total_tokens: int, inserts: int) -> None:
         super()._insert(bids, total_tokens, inserts)
         hw = self.history_len
-        length = total_tokens // self.block_size * self.block_size  # page-aligned, as SGLang inserts
+        # SGLang inserts the tokens with KV (prompt + output - 1: the last
+        # sampled token has none yet), page-aligned.
+        length = max(0, total_tokens - 1) // self.block_size * self.block_size
         for bid in bids:
             if hw[bid] < length:
                 hw[bid] = length
