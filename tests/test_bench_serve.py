@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 import os
 import signal
 import subprocess
@@ -212,6 +213,24 @@ def test_requests_failing_mid_run_are_counted_and_the_run_goes_on():
     assert s["failed"] == 2 and s["completed"] == len(t.requests) - 2
 
 
+def test_the_hit_rate_comparison_pairs_the_requests_both_runs_completed():
+    """Same trace, same (history-free) fake cache; one run loses its three
+    1-block prompts (which hit nothing). Compared over what each completed,
+    the failures read as a gain of 7 points."""
+    reqs = [req(f"r{k}", 0.01 * k, [5000 + k] if k % 2 == 0 else [1, 2, 3, 4]) for k in range(8)]
+    t = Trace("t", 16, reqs, "bailian", conversations=True)
+    with FakeServer(FakeConfig()) as srv:
+        full = run_client(srv.url, t, label="lru@100")
+    with FakeServer(FakeConfig(fail_stream={0, 2, 4})) as srv:
+        lossy = run_client(srv.url, t, label="wa-online@100")
+    a, b = report.summarize(full), report.summarize(lossy)
+    assert (a["failed"], b["failed"]) == (0, 3) and b["token_hit_rate"] > a["token_hit_rate"] + 0.05
+    hit_a, hit_b, n = report.paired_hit_rates(full, lossy)
+    assert n == 5 and hit_a == hit_b
+    assert "hit rate +0.00 points on the 5 requests both completed" in report.format_table([a, b], results=[full, lossy])
+    assert "hit rate - (the runs lost 3 and 0 requests" in report.format_table([a, b])
+
+
 def test_a_server_that_falls_behind_the_schedule_is_reported():
     """The closed loop waits for each reply: a slow server stretches the run, and the report says so."""
     t = small_trace(n_conv=1, turns=6, gap=1.0)  # scheduled 0 .. 5 trace s
@@ -226,6 +245,47 @@ def test_a_server_that_falls_behind_the_schedule_is_reported():
     warning = report.schedule_warning(slow)
     assert warning is not None and "fell behind" in warning and "--time-scale" in warning
     assert "schedule stretch" in report.format_table([kept, slow])
+
+
+def test_a_burst_the_server_fell_behind_on_is_reported_though_the_last_request_was_on_time():
+    """Ten requests in 0.2 s at 0.1 s a reply, then a lull: the last request
+    goes out on time (stretch 1.0) while most went out ~0.5 trace s late."""
+    reqs = [req(f"a{k}", 0.02 * k, [1, 10 + k]) for k in range(10)] + [req("b0", 4.0, [2, 99], conv=1)]
+    t = Trace("burst", 16, reqs, "bailian", conversations=True)
+    with FakeServer(FakeConfig(delay_s=0.1)) as srv:
+        s = report.summarize(run_client(srv.url, t, time_scale=1.0))
+    assert s["schedule_stretch"] < report.STRETCH_WARN
+    assert s["behind_schedule_trace_s"]["p90"] > report.LAG_WARN_SHARE * s["schedule_span_trace_s"]
+    assert "90th percentile" in report.schedule_warning(s)
+
+
+def test_a_run_against_a_used_server_says_so():
+    t = small_trace(n_conv=1, turns=2)
+    with FakeServer(FakeConfig()) as srv:
+        first = report.summarize(run_client(srv.url, t))
+        second = report.summarize(run_client(srv.url, t))
+    assert first["queries_before_run"] == 0 and report.used_server_warning(first) is None
+    assert second["queries_before_run"] > 0 and "already looked up" in report.used_server_warning(second)
+
+
+def test_bad_client_arguments_are_refused_before_anything_runs(tmp_path):
+    for bad in ({"time_scale": math.inf}, {"time_scale": 0.0}, {"request_timeout_s": 0.0},
+                {"request_timeout_s": math.nan}, {"max_output_tokens": 0}):
+        with pytest.raises(ValueError):
+            ClientConfig(url="http://localhost:1", **bad)
+    t = small_trace(n_conv=1, turns=2)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({
+        "chat_id": i, "parent_chat_id": -1, "timestamp": r.arrival, "input_length": r.input_tokens,
+        "output_length": r.output_tokens, "type": "text", "turn": 1, "hash_ids": list(r.hash_ids)}) + "\n"
+        for i, r in enumerate(t.requests)))
+    with FakeServer(FakeConfig()) as srv:
+        for extra in (["--json", str(tmp_path / "missing" / "run.json")], ["--time-scale", "inf"],
+                      ["--request-timeout", "0"]):
+            p = subprocess.run([sys.executable, "-m", "vllm_wa.cli", "bench-serve", str(path), "--url", srv.url, *extra],
+                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert p.returncode == 2 and "Traceback" not in p.stderr and "error:" in p.stderr, p.stderr
+        assert srv.cfg.received == []  # refused before a request was sent
 
 
 def test_replay_of_what_the_server_saw(tmp_path):

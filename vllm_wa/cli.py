@@ -13,6 +13,7 @@ from importlib import resources
 
 from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.fileio import check_writable
 from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError, detect_format
 from vllm_wa.replay.peers import PEERS, check_setting
@@ -243,11 +244,10 @@ def check_outputs(json_path: str | None, plot_path: str | None) -> None:
     """Refuse before a sweep, not after it, when its results could not be written."""
     for path in (json_path, plot_path):
         if path:
-            if os.path.isdir(path) or path.endswith(os.sep):
-                raise SystemExit(f"cannot write {path}: it names a directory, not a file")
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-                raise SystemExit(f"cannot write {path}: {folder} is not a writable directory")
+            try:
+                check_writable(path)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
     if plot_path:
         try:
             import matplotlib  # noqa: F401

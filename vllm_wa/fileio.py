@@ -41,6 +41,15 @@ def read_toml(path: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
+def check_writable(path: str) -> None:
+    """Raise ``ValueError`` saying why ``path`` could not be written (before a long run, not after it)."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"cannot write {path}: it names a directory, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write {path}: {folder} is not a writable directory")
+
+
 def opener_for(path: str) -> Callable[..., IO[Any]]:
     """``open``, or the compressed look-alike the file's name says (.gz, .xz, .bz2)."""
     for suffix, opener in ((".gz", gzip.open), (".xz", lzma.open), (".bz2", bz2.open)):

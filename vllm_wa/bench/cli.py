@@ -12,6 +12,7 @@ from vllm_wa.bench import report
 from vllm_wa.bench.client import BenchClient, ClientConfig
 from vllm_wa.bench.server_info import BenchError
 from vllm_wa.bench.slicing import SliceSpec, slice_trace
+from vllm_wa.fileio import check_writable
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, load_trace
 
 BENCH_HELP = """\
@@ -92,19 +93,25 @@ async def _run_cancellable(client) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    trace = load_slice(args)
-    cfg = ClientConfig(
-        url=args.url,
-        api_key=args.api_key,
-        model=args.model,
-        time_scale=args.time_scale,
-        max_output_tokens=args.max_output_tokens,
-        outcome_hints=not args.no_outcome_hints,
-        request_timeout_s=args.request_timeout,
-        label=args.label,
-    )
-    client = BenchClient(cfg, trace)
     out = args.json or f"bench-serve-{args.label}.json"
+    try:
+        # Checked before the run, whose records would otherwise be lost after it.
+        check_writable(out)
+        cfg = ClientConfig(
+            url=args.url,
+            api_key=args.api_key,
+            model=args.model,
+            time_scale=args.time_scale,
+            max_output_tokens=args.max_output_tokens,
+            outcome_hints=not args.no_outcome_hints,
+            request_timeout_s=args.request_timeout,
+            label=args.label,
+        )
+    except ValueError as e:
+        print(f"vllm-wa bench-serve: error: {e}", file=sys.stderr)
+        return 2
+    trace = load_slice(args)
+    client = BenchClient(cfg, trace)
     print(
         f"bench-serve {args.label}: {len(trace.requests)} requests of {trace.name}, {trace.block_size}-token blocks, "
         f"time scale {args.time_scale:g} -> {args.url}",
@@ -130,7 +137,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     res.write(out)
     s = report.summarize(res)
     print(report.format_table([s]))
-    if (warning := report.schedule_warning(s)) is not None:
+    for warning in filter(None, (report.schedule_warning(s), report.used_server_warning(s))):
         print("warning: " + warning)
     if s["failed"]:
         print(f"{s['failed']} failed requests: {s['errors']}")

@@ -52,8 +52,10 @@ class ClientConfig:
     max_consecutive_unreachable: int = 20
 
     def __post_init__(self) -> None:
-        if not self.time_scale > 0:
-            raise ValueError(f"time scale must be positive, got {self.time_scale}")
+        if not 0 < self.time_scale < math.inf:
+            raise ValueError(f"time scale must be a positive number, got {self.time_scale}")
+        if not 0 < self.request_timeout_s < math.inf:
+            raise ValueError(f"request timeout must be a positive number of seconds, got {self.request_timeout_s}")
         if self.max_output_tokens < 1:
             raise ValueError(f"max output tokens must be at least 1, got {self.max_output_tokens}")
 

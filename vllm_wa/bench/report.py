@@ -15,6 +15,10 @@ PERCENTILES = (50, 90, 99)
 # schedules it (as a ratio of run lengths) did not replay the trace's
 # interleaving: the closed loop stretched it by the server's lag.
 STRETCH_WARN = 1.1
+# Nor did one whose requests went out late by more than this share of the
+# trace's span at the 90th percentile: a burst the server could not keep up
+# with, followed by a lull that let the last request go out on time.
+LAG_WARN_SHARE = 0.1
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
@@ -97,6 +101,9 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "excluded_too_long": res.excluded_too_long,
         "interrupted": res.interrupted,
         "stop_reason": res.stop_reason,
+        # Prefix-cache queries the server had counted before the run: a used
+        # server's cache may already hold this trace's prompts.
+        "queries_before_run": before.prefix_cache_queries if before else None,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cached_tokens_reported": sum(1 for r in ok if r.cached_tokens is not None),
@@ -111,6 +118,7 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "e2e_ms": distribution([1000 * t for r in ok if (t := r.e2e_s) is not None]),
         "behind_schedule_trace_s": distribution([r.behind_schedule_s / scale for r in sent]),
         "schedule_stretch": max(r.sent for r in sent) / last_scheduled if last_scheduled > 0 else None,
+        "schedule_span_trace_s": last_scheduled / scale,
         "wall_s": wall,
         "requests_per_s": len(ok) / wall if wall else None,
         "output_tokens_per_s": sum(r.completion_tokens or 0 for r in ok) / wall if wall else None,
@@ -124,13 +132,28 @@ def summarize(res: RunResult) -> dict[str, Any]:
 def schedule_warning(summary: dict[str, Any]) -> str | None:
     """A line saying the run fell behind the trace's schedule, or None when it kept it (or cannot tell)."""
     stretch = summary["schedule_stretch"]
-    if stretch is None or stretch <= STRETCH_WARN:
-        return None
     lag = summary["behind_schedule_trace_s"]
+    span = summary.get("schedule_span_trace_s") or 0.0
+    stretched = stretch is not None and stretch > STRETCH_WARN
+    lagged = lag["p90"] is not None and span > 0 and lag["p90"] > LAG_WARN_SHARE * span
+    if not (stretched or lagged):
+        return None
     return (
-        f"{summary['label']} fell behind the trace's schedule: its last request went out {stretch:.2f}x as late as "
-        f"scheduled, the median request {lag['p50']:.0f} trace s late; its hit rate and times are those of a slower "
-        "interleaving than the trace's (the server could not keep up: a larger --time-scale keeps the schedule)"
+        f"{summary['label']} fell behind the trace's schedule: its last request went out {stretch or 0:.2f}x as late "
+        f"as scheduled, the median request {lag['p50']:.1f} and the 90th percentile {lag['p90']:.1f} trace s late "
+        f"(the trace spans {span:.1f} s); its hit rate and times are those of a slower interleaving than the "
+        "trace's (the server could not keep up: a larger --time-scale keeps the schedule)"
+    )
+
+
+def used_server_warning(summary: dict[str, Any]) -> str | None:
+    """A line saying the server had served prompts before the run, or None."""
+    queries = summary.get("queries_before_run")
+    if not queries:
+        return None
+    return (
+        f"{summary['label']} ran against a server that had already looked up {queries:.0f} prompt tokens: its prefix "
+        "cache may hold this trace's prompts from an earlier run (start a fresh server for each run to compare)"
     )
 
 
@@ -146,9 +169,33 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-def format_table(summaries: Sequence[dict[str, Any]], baseline: str = "lru") -> str:
-    """Runs side by side, one column each; a ratio column per non-baseline run of the same cache size."""
+def paired_hit_rates(a: RunResult, b: RunResult) -> tuple[float | None, float | None, int]:
+    """Token hit rates of two runs of one trace over the requests both completed, and how many.
+
+    A request that fails in one run only leaves that run's own rate: compared
+    over different sets, failures would read as a gain or a loss.
+    """
+    done_a = {r.index: r for r in a.requests if r.ok}
+    both = [(done_a[r.index], r) for r in b.requests if r.ok and r.index in done_a]
+
+    def rate(pairs: list) -> float | None:
+        prompt = sum(r.prompt_tokens or 0 for r in pairs)
+        return sum(r.cached_tokens or 0 for r in pairs) / prompt if prompt else None
+
+    return rate([x for x, _ in both]), rate([y for _, y in both]), len(both)
+
+
+def format_table(
+    summaries: Sequence[dict[str, Any]], baseline: str = "lru", results: Sequence[RunResult] | None = None
+) -> str:
+    """Runs side by side, one column each; a ratio column per non-baseline run of the same cache size.
+
+    ``results`` (the runs, in the summaries' order) lets the hit-rate
+    comparison pair the requests both runs completed; without them it is
+    given only when neither run lost a request.
+    """
     cols = list(summaries)
+    run_of = {id(s): r for s, r in zip(cols, results)} if results is not None else {}
     rows: list[tuple[str, list[str]]] = []
 
     def row(name: str, fn) -> None:
@@ -182,10 +229,23 @@ def format_table(summaries: Sequence[dict[str, Any]], baseline: str = "lru") -> 
         parts = [
             f"TTFT {p} {_ratio(s['ttft_ms'][p], b['ttft_ms'][p])}" for p in ("p50", "p90", "p99", "mean")
         ] + [f"QTTFT {p} {_ratio(s['qttft_ms'][p], b['qttft_ms'][p])}" for p in ("p50", "p90", "p99", "mean")]
-        hit = s["token_hit_rate"], b["token_hit_rate"]
-        delta = f"{100 * (hit[0] - hit[1]):+.2f} points" if None not in hit else "-"
-        lines.append(f"{s['label']} / {b['label']}: hit rate {delta}; " + ", ".join(parts))
+        lines.append(f"{s['label']} / {b['label']}: hit rate {_hit_delta(s, b, run_of)}; " + ", ".join(parts))
     return "\n".join(lines)
+
+
+def _hit_delta(s: dict[str, Any], b: dict[str, Any], run_of: dict[int, RunResult]) -> str:
+    """Run ``s``'s hit rate against baseline ``b``'s, over the same requests."""
+    rs, rb = run_of.get(id(s)), run_of.get(id(b))
+    if rs is not None and rb is not None:
+        hb, hs, n = paired_hit_rates(rb, rs)
+        if hs is None or hb is None:
+            return "- (no request completed in both)"
+        note = "" if n == s["completed"] == b["completed"] else f" on the {n} requests both completed"
+        return f"{100 * (hs - hb):+.2f} points{note}"
+    if s["failed"] or b["failed"]:
+        return f"- (the runs lost {s['failed']} and {b['failed']} requests: compare on those both completed)"
+    hit = s["token_hit_rate"], b["token_hit_rate"]
+    return f"{100 * (hit[0] - hit[1]):+.2f} points" if None not in hit else "-"
 
 
 def windowed_hit_rates(res: RunResult, window_s: float) -> list[tuple[float, float]]:

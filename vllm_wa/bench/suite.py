@@ -115,7 +115,13 @@ def _resolve_sizes(spec: str, unique: int, min_blocks: int) -> list[int]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
-        n = math.ceil(unique * float(part[:-1]) / 100) if part.endswith("%") else int(part)
+        try:
+            share = float(part[:-1]) if part.endswith("%") else None
+            if share is not None and not 0 < share < math.inf:
+                raise ValueError
+            n = math.ceil(unique * share / 100) if share is not None else int(part)
+        except ValueError:
+            raise SystemExit(f"--sizes: {part!r} is not a number of blocks or a positive N%") from None
         if n < min_blocks:
             raise SystemExit(
                 f"cache size {part} = {n} blocks is too small: vLLM needs max_model_len <= (blocks - 1) x block size, "
@@ -129,7 +135,8 @@ def _resolve_sizes(spec: str, unique: int, min_blocks: int) -> list[int]:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     full = load_trace(args.trace, args.format, agentic=AgenticOptions(window=args.window, seed=args.seed))
-    args.block_size = args.block_size or full.block_size
+    if args.block_size is None:
+        args.block_size = full.block_size
     spec = SliceSpec(
         block_size=args.block_size,
         max_prompt_blocks=args.max_prompt_blocks,
@@ -292,6 +299,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not set(args.policies) <= {"lru", "wa-online"}:
         ap.error("--policies: lru and/or wa-online")
+    # Checked here, so that a dry run that passes is a plan that runs.
+    for name in ("block_size", "max_prompt_blocks", "max_output_tokens", "max_num_seqs", "max_model_len",
+                 "conversations"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("time_scale", "duration", "window", "startup_timeout"):
+        if not 0 < getattr(args, name) < math.inf:
+            ap.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     return args
 
 
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         summaries = [report.summarize(r) for r in results]
         wall = time.monotonic() - t_start
         if summaries:
-            print("\n" + report.format_table(summaries))
+            print("\n" + report.format_table(summaries, results=results))
             print("(on CPU the TTFTs measure the tiny random model and vLLM's overheads, not a real model)")
             for warning in filter(None, map(report.schedule_warning, summaries)):
                 print("WARNING: " + warning)
