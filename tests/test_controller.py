@@ -661,8 +661,8 @@ def test_finest_classes_unused_for_the_retire_time_give_their_slots_back(monkeyp
     c.refit()
     assert c.finest_folded == 0 and ("new", "stop") in {comps[:2] for comps in c._fine}
     data = c._class_data(key, None)
-    one = forgetting_factor(20.0, c.config.memory_s)  # one reuse each, 20 s of forgetting
-    assert data["watched.o:stop"].n_events == pytest.approx(one) and data["new.o:stop"].n_events == pytest.approx(one)
+    # One reuse each, at the refit's own time: recorded after this refit's forgetting.
+    assert data["watched.o:stop"].n_events == pytest.approx(1.0) and data["new.o:stop"].n_events == pytest.approx(1.0)
     assert c.state()["finest_classes_retired"] == 2
 
 
@@ -1430,6 +1430,33 @@ def test_a_gap_that_is_not_a_number_is_no_observation():
     assert d.n == 0.0
     d.add_event(float("inf"))  # an unbounded gap is the last bin's, as before
     assert d.events[-1] == 1.0
+
+
+@pytest.mark.parametrize("weigh", [False, True])
+def test_a_reuse_and_a_censoring_that_end_between_the_same_refits_weigh_alike(weigh):
+    """Two blocks freed together: one comes back just before a refit, the
+    other's watch runs out at it. Both end within the same interval and must
+    weigh the same; forgetting after recording the drained reuses (and before
+    the expired watches) aged the reuse by one more interval: 0.37 against 1
+    here, where the interval equals ``memory_s``."""
+    cfg = small_config(
+        tuner_enabled=False, sample_rate=1.0, memory_s=1000.0, max_watch_s=1000.0,
+        weigh_by_free_time=weigh, drift_forget=1.0, fit_interval_s=1e9,
+    )
+    sink = EventSink(capacity=1 << 16)
+    now = [0.0]
+    c = WAController(cfg, 1000, Applied(), sink, clock=lambda: now[0])
+    req = RequestTags("r", "x", "stop")
+    sink.emit(FreedEvent(EventKind.FREED, 0.0, ("b", "A"), req, 0, 0))
+    sink.emit(FreedEvent(EventKind.FREED, 0.0, ("b", "B"), req, 0, 0))
+    sink.emit(FinishedEvent(EventKind.FINISHED, 0.0, "r", req))
+    c.refit()
+    sink.emit(LookupEvent(EventKind.LOOKUP, 999.9, "q", "x", (("b", "A"),), ()))
+    now[0] = 1000.0
+    c.refit()
+    row = c._bank.rows[0]
+    assert c.errors == 0 and row.events.sum() > 0
+    assert row.events.sum() == pytest.approx(row.censored.sum(), rel=1e-3)  # 0.1 s apart
 
 
 def test_a_refit_at_a_clock_that_reads_nan_changes_nothing_and_is_counted():

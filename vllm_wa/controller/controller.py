@@ -516,7 +516,10 @@ class WAController:
             self.refit_seconds = time.perf_counter() - t0
 
     def _refit(self, now: float) -> None:
-        self.process(self.sink.drain())
+        # Forget first, then record: the reuses drained here and the watches
+        # that expire here all ended since the last refit, and so weigh alike
+        # (recording the reuses before forgetting aged them by one interval
+        # more than the censorings recorded after it).
         if self._last_forget is not None and len(self._bank):
             # A clock that steps back forgets nothing until it is past its last forget again.
             factor = forgetting_factor(max(0.0, now - self._last_forget), self.config.memory_s)
@@ -527,6 +530,7 @@ class WAController:
                 for drift in self._drift.values():
                     drift.decay(factor)
         self._last_forget = now if self._last_forget is None else max(now, self._last_forget)
+        self.process(self.sink.drain())
         self.tracker.expire(now)
         for drift in self._drift.values():
             drift.prune(now - self.config.max_watch_s)
