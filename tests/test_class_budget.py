@@ -84,7 +84,7 @@ def test_preempted_request_is_counted_once(clock):
     tagger.reclassify("p", "tool")
     assert tagger.reclassified_requests == 1
     tid = tagger.tags.find("invalid")
-    assert (tagger.hit_blocks_by_tag[tid], tagger.queried_blocks_by_tag[tid]) == (0, 2)
+    assert (tagger.hit_blocks_by_tag[tid], tagger.queried_tokens_by_tag[tid]) == (0, r.num_tokens)
     assert max(tagger.reuse_count) == 0 and sum(h.queue.counters.reused) == 0
 
 

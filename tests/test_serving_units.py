@@ -293,7 +293,8 @@ def test_outcome_reports_reclassify_engine_blocks():
     state = engine_side.wa_get_state(core)
     assert state["enabled"] and state["outcomes_reclassified"] == 1
     metrics = engine_side.wa_get_metrics(core)
-    assert metrics["tags"]["agent"]["queried_tokens"] == 3 * 16  # hit accounting is per tag
+    # Hit accounting is per tag, over every prompt token, as vLLM's prefix_cache_queries.
+    assert metrics["tags"]["agent"]["queried_tokens"] == 16 * 3 + 2
     assert set(metrics["classes"]) == {"agent.o:stop", "agent.o:tool"}  # a tag takes no class slot
     assert metrics["classes"]["agent.o:tool"]["freed"] == 3
     # Reports past one call's limit are dropped and counted. (Reports for requests this

@@ -201,7 +201,9 @@ class BlockTagger:
         # Releases not remembered because their request id was over MAX_LATE_FACT_ID.
         self.long_request_ids = 0
         self.hit_blocks_by_tag = [0] * self.tags.max_classes
-        self.queried_blocks_by_tag = [0] * self.tags.max_classes
+        # Prompt tokens looked up, per tag: every token, as vLLM's
+        # prefix_cache_queries counts them (hits are whole blocks).
+        self.queried_tokens_by_tag = [0] * self.tags.max_classes
         # Outcomes reported before their request released its blocks, by key,
         # with the API call that took it (None until a release does): every
         # child of that ``n > 1`` call takes it, a later call under the same id does not.
@@ -246,7 +248,7 @@ class BlockTagger:
             return
         self._next_retire = now + self._retire_every
         for tid in self.tags.retire_idle(now):
-            self.hit_blocks_by_tag[tid] = self.queried_blocks_by_tag[tid] = 0
+            self.hit_blocks_by_tag[tid] = self.queried_tokens_by_tag[tid] = 0
         self.queue.retire_idle_classes(now)
 
     def remember_finished(self, n: int) -> None:
@@ -297,8 +299,12 @@ class BlockTagger:
         now: float | None = None,
         to_key: Callable[[Any], Any] | None = None,
         extra_hits: Sequence[Sequence[KVCacheBlock]] = (),
+        prompt_tokens: int = 0,
     ) -> None:
         """A request's prompt was matched: ``hit_blocks`` is its cached prefix.
+
+        ``prompt_tokens``: the prompt's length, for the per-tag hit accounting
+        (a partial last block is looked up too, and never hit).
 
         ``block_hashes`` are the prompt's block hashes; ``to_key`` maps the
         ones reported in the event to the form blocks hold (vLLM adds the
@@ -337,7 +343,7 @@ class BlockTagger:
         # Hit accounting is per workload tag (the outcome is not known yet).
         tag_id = self.tags.id_of(req.tag, now)
         self.hit_blocks_by_tag[tag_id] += len(hit_blocks)
-        self.queried_blocks_by_tag[tag_id] += len(block_hashes)
+        self.queried_tokens_by_tag[tag_id] += prompt_tokens
         sink = self.sink
         if sink is None:
             return

@@ -150,6 +150,7 @@ class WAHandle:
             hashes,
             to_key=lambda h: make_block_hash_with_group_id(h, g),
             extra_hits=others,
+            prompt_tokens=request.num_tokens,
         )
 
     def on_free(self, manager: Any, request: Any) -> None:

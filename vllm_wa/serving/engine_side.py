@@ -230,7 +230,7 @@ def wa_get_metrics(self: Any) -> dict[str, Any]:
     tags = {
         t.tags.name_of(tid): {
             "hit_tokens": t.hit_blocks_by_tag[tid] * bs,
-            "queried_tokens": t.queried_blocks_by_tag[tid] * bs,
+            "queried_tokens": t.queried_tokens_by_tag[tid],
         }
         for tid in t.tags.used_ids()
     }
