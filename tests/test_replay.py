@@ -739,6 +739,72 @@ def test_a_prompt_that_repeats_a_hash_replays_under_every_policy():
         assert (res.policy, res.hit_blocks, res.overflow) == (res.policy, want.hit_blocks, 0)
 
 
+def test_a_prompt_that_repeats_an_id_frees_its_block_once():
+    """It holds the block twice; freed twice, the free list counted more
+    blocks than the pool has and lost another."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    from vllm_wa.sim.prefix_cache import SimPrefixCache
+
+    c = SimPrefixCache(8, FreeKVCacheBlockQueue)  # 7 usable blocks
+    assert c.admit("a", [1, 2, 1, 3], 0.0) == 0
+    c.release("a", 1.0)
+    assert c.admit("b", [1, 2, 1, 3, 9], 2.0) == 4
+    c.release("b", 3.0)
+    free = [b.block_id for b in c.pool.queue.get_all_free_blocks()]
+    assert c.pool.queue.num_free_blocks == len(free) == len(set(free)) == 7
+
+
+def test_the_replay_refits_on_the_servers_grid_through_idle_stretches():
+    """The server's refit job runs every refit_interval_s, idle or not; the
+    replay refitted once at the first event after a gap, then again at once."""
+    reqs = [TraceRequest(f"a{i}", float(i), array("q", [1, 2, 100 + i]), 3 * 64, 1, service_time=0.1)
+            for i in range(11)]
+    reqs += [TraceRequest(f"b{i}", 1000.0 + i, array("q", [1, 2, 200 + i]), 3 * 64, 1, service_time=0.1)
+             for i in range(13)]
+    tr = Trace("gap", 64, reqs, "test")
+    cfg = ReplayConfig(profile_fraction=0.0)
+    setup = prepare(tr, ["wa-online"], cfg)
+    policy = make_policy("wa-online", setup)
+    times = []
+    original = policy.queue_factory
+
+    def factory(clock):
+        make = original(clock)
+
+        def wrapped(blocks):
+            queue = make(blocks)
+            refit = policy.controller.refit
+            policy.controller.refit = lambda: (times.append(clock.t), refit())[1]
+            return queue
+
+        return wrapped
+
+    policy.queue_factory = factory
+    res = run_one(setup.trace, policy, 64, cfg, 0.0)
+    interval = ControllerConfig().refit_interval_s
+    assert times == [interval * k for k in range(1, int(1012 // interval) + 1)]
+    assert res.extra["refits"] == len(times) and res.requests == 24
+
+
+def test_both_engines_tell_wa_online_the_replys_length(agentic):
+    """The vLLM engine generated nothing, so its hooks read a reply of 0
+    tokens where the fast engine told the trace's: a candidate keyed on the
+    reply learned other classes on each engine."""
+    from vllm_wa.controller.config import CandidateSpec
+
+    spec = CandidateSpec(("reply",), "hyperexponential", "posterior", 10.0)
+    cc = ControllerConfig(candidates=(spec,), initial=spec.name, tuner_enabled=False, class_confidence=0.0)
+    got = {}
+    for engine in ("fast", "vllm"):
+        cfg = ReplayConfig(engine=engine, controller_config=cc)
+        setup = prepare(agentic.head(150), ["wa-online"], cfg)
+        (n,) = resolve_sizes("20%", setup.trace, setup.eval_start)
+        r = run_one(setup.trace, make_policy("wa-online", setup), n, cfg, setup.eval_start)
+        got[engine] = (r.hit_blocks, sorted(r.extra["params"]["p"]))
+    assert got["fast"] == got["vllm"] and len(got["fast"][1]) > 1
+
+
 def _tiny_trace(pinned_s: float) -> Trace:
     reqs = [
         TraceRequest(f"r{i}", float(i), array("q", [100 * i + j for j in range(4)]), 256, 1, service_time=pinned_s)

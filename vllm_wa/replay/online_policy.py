@@ -6,6 +6,8 @@ runs; :func:`start_online` wires them the same way in both.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ class OnlineWAPolicy(ReplayPolicy):
     # The trace file's id of each (renumbered) block id; see EventSink.
     source_ids: Any = None
     _next_refit: float | None = None
+    _clock: SettableClock | None = None
 
     @classmethod
     def create(cls, config: ControllerConfig | None, trace: Any = None) -> OnlineWAPolicy:
@@ -41,6 +44,8 @@ class OnlineWAPolicy(ReplayPolicy):
         return cls("wa-online", config=config or ControllerConfig(), source_ids=source_ids)
 
     def queue_factory(self, clock: SettableClock) -> Callable[[list[KVCacheBlock]], Any]:
+        self._clock = clock
+
         def make(blocks: list[KVCacheBlock]) -> Any:
             def install(
                 sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
@@ -60,6 +65,8 @@ class OnlineWAPolicy(ReplayPolicy):
         return make
 
     def install_vllm(self, block_pool: Any, clock: SettableClock) -> None:
+        self._clock = clock
+
         def install(
             sink: EventSink, registry: ClassRegistry, key: FeatureKey, conversations: ConversationTracker
         ) -> tuple[Any, Any]:
@@ -74,13 +81,34 @@ class OnlineWAPolicy(ReplayPolicy):
         )
 
     def advance(self, now: float) -> None:
+        """Refit as the server's interval job does: every ``refit_interval_s``
+        of trace time, idle stretches included, each refit at its own time.
+
+        (Refitting once at the next event after a gap, as before, recorded the
+        events from before it after the whole gap's forgetting.) Past
+        ``max_watch_s`` of idleness every watch has expired and a refit changes
+        nothing but the forgetting, which composes: the grid then jumps to the
+        last refit before ``now``.
+        """
         nxt = self._next_refit
+        interval = self.config.refit_interval_s
         if nxt is None:
-            self._next_refit = now + self.config.refit_interval_s
+            self._next_refit = now + interval
             return
-        if now >= nxt and self.controller is not None:
+        if now < nxt or self.controller is None or self._clock is None:
+            return
+        clock = self._clock
+        idle_limit = int(self.config.max_watch_s / interval) + 1
+        done = 0
+        while nxt <= now:
+            if done == idle_limit:
+                nxt += math.floor((now - nxt) / interval) * interval
+            clock.t = nxt
             self.controller.refit()
-            self._next_refit = max(nxt + self.config.refit_interval_s, now)
+            nxt += interval
+            done += 1
+        clock.t = now
+        self._next_refit = nxt
 
     def report(self) -> dict[str, Any]:
         if self.controller is None:

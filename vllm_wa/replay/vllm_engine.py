@@ -24,6 +24,7 @@ from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
+from vllm_wa.sim.token_ids import FIRST_TOKEN
 
 
 class VLLMEngine:
@@ -124,6 +125,10 @@ class VLLMEngine:
 
     def release(self, req: TraceRequest) -> None:
         vreq = self._live.pop(req.request_id)
+        if vreq.num_output_tokens < req.output_tokens:
+            # The reply's length, as the engine's hooks read it at the release
+            # (the fast engine tells the trace's): no KV is allocated for it.
+            vreq.append_output_token_ids([FIRST_TOKEN] * (req.output_tokens - vreq.num_output_tokens))
         tagger = self.policy.tagger
         if tagger is not None and req.outcome is not None:
             # What the API server reports once it parsed the reply (a served

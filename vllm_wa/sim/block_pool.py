@@ -194,7 +194,12 @@ class SimBlockPool:
         blocks = self.held.pop(rid)
         for b in blocks:
             b.ref_cnt -= 1
-        self.queue.append_n([b for b in reversed(blocks) if not b.ref_cnt])
+        free = [b for b in reversed(blocks) if not b.ref_cnt]
+        if len({id(b) for b in free}) != len(free):
+            # A prompt that repeats an id (trace ids need not be chained) held
+            # its block twice: it is freed once.
+            free = list({id(b): b for b in free}.values())
+        self.queue.append_n(free)
         return blocks
 
     def held_blocks(self, rid: str) -> list[KVCacheBlock]:
