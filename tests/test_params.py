@@ -226,3 +226,17 @@ def test_tags_and_registry_cap():
     assert reg.claim("b") is None and reg.find("b") is None and len(reg) == 4
     with pytest.raises(ValueError):
         ClassRegistry(max_classes=2)
+
+
+@pytest.mark.parametrize("mode", ["posterior", "density"])
+def test_a_class_with_no_never_mass_scores_without_cancellation_error_or_nan(mode):
+    """Both sums of the score share exp(-r0 D), r0 the slowest rate: left in,
+    it cancelled to within the rounding of r0 D (past the queue's tie width
+    by D = 2**25 / 50 s, so two blocks of one memoryless class left LRU
+    order), and overflowed to NaN at absurd rates."""
+    flat = ClassScorer(ReuseModel.exponential(1.0, 50.0), 0.004, mode)
+    d = 2.0**25 / 50
+    assert len({flat.log_score(d + k * 0.25) for k in range(-4, 5)}) == 1
+    mixed = ClassScorer(ReuseModel((0.5, 0.5), (1e300, 2e300)), 1.0, mode)
+    scores = [mixed.log_score(x) for x in (0.0, 1.0, 1e9)]
+    assert all(math.isfinite(s) for s in scores) and scores == sorted(scores, reverse=True)

@@ -179,6 +179,16 @@ class ClassScorer:
         if never > 0.0:
             survival.append((math.log(never), 0.0))
             occupancy.append((math.log(never) + math.log(self.horizon), 0.0))
+        if self.mode in ("posterior", "density") and window:
+            # A ratio of two sums of exp(c - r D): both lose exp(-r0 D), r0 the
+            # slowest rate, exactly. Left in, it cancels only to within the
+            # rounding of r0 D (past 1e7 that exceeds the queue's tie width,
+            # and a memoryless class stops scoring flat) and overflows to NaN.
+            below = survival if self.mode == "posterior" else occupancy
+            r0 = min(r for _, r in (*window, *below))
+            if r0 > 0.0:
+                window = [(c, r - r0) for c, r in window]
+                below[:] = [(c, r - r0) for c, r in below]
         object.__setattr__(self, "_window_terms", tuple(window))
         object.__setattr__(self, "_survival_terms", tuple(survival))
         object.__setattr__(self, "_occupancy_terms", tuple(occupancy))
