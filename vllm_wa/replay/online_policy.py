@@ -7,7 +7,6 @@ runs; :func:`start_online` wires them the same way in both.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
