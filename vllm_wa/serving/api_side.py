@@ -47,6 +47,10 @@ _SNAPSHOTS: EngineSnapshots | None = None
 # ---- reply outcomes ------------------------------------------------------------------------------
 
 
+# Why a report under an over-long id is dropped (in report and report_now).
+_LONG_ID = f"a request id is longer than {MAX_LATE_FACT_ID} characters"
+
+
 class OutcomeReporter:
     """Batches (external request id, outcome) facts to the engine cores."""
 
@@ -60,7 +64,7 @@ class OutcomeReporter:
     def report(self, request_id: str, outcome: str) -> None:
         if len(request_id) > MAX_LATE_FACT_ID:
             # The client chose the id's length; no engine remembers a release under it.
-            self._drop(1, f"a request id is longer than {MAX_LATE_FACT_ID} characters")
+            self._drop(1, _LONG_ID)
         elif len(self._pending) < MAX_PENDING_REPORTS:
             self._pending.append([request_id, outcome])
         else:
@@ -83,7 +87,7 @@ class OutcomeReporter:
         completion of many prompts has a fact for each)."""
         usable = [item for item in items if len(item[0]) <= MAX_LATE_FACT_ID]
         if len(usable) < len(items):
-            self._drop(len(items) - len(usable), f"a request id is longer than {MAX_LATE_FACT_ID} characters")
+            self._drop(len(items) - len(usable), _LONG_ID)
         items = usable
         for start in range(0, len(items), MAX_OUTCOME_REPORTS_PER_CALL):
             chunk = items[start : start + MAX_OUTCOME_REPORTS_PER_CALL]

@@ -192,13 +192,14 @@ class SimBlockPool:
     def release(self, rid: str) -> list[KVCacheBlock]:
         """Free a request's blocks, tail first (like ``KVCacheManager.free``)."""
         blocks = self.held.pop(rid)
+        # A block is freed where its count reaches zero: once, also when a
+        # prompt that repeats an id (trace ids need not be chained) held it twice.
+        free = []
         for b in blocks:
             b.ref_cnt -= 1
-        free = [b for b in reversed(blocks) if not b.ref_cnt]
-        if len({id(b) for b in free}) != len(free):
-            # A prompt that repeats an id (trace ids need not be chained) held
-            # its block twice: it is freed once.
-            free = list({id(b): b for b in free}.values())
+            if not b.ref_cnt:
+                free.append(b)
+        free.reverse()
         self.queue.append_n(free)
         return blocks
 
