@@ -1026,6 +1026,7 @@ def test_shadow_caches_release_requests_whose_finish_was_lost():
     assert sc.overflow == 1
     assert sc.expire(100.0, max_hold_s=50.0) == 3
     assert sc.cache.pool.num_free_blocks == 19
+    assert sc.expired == 3 and sc.expire(200.0, max_hold_s=50.0) == 0 and sc.expired == 3  # each counted once
 
 
 def test_shadow_caches_hold_a_bounded_number_of_requests_whose_finish_was_lost(monkeypatch):

@@ -312,6 +312,39 @@ def test_engine_totals_are_counters_and_labels_are_bounded(engine):
     assert active[engine.controller.active] == 1
     reasons = {s.labels["reason"] for s in samples(fams["vllm_wa_tuner_switches"]) if s.name.endswith("_total")}
     assert reasons == {"promote", "demote", "real-check", "replace"}
+    for name in ("vllm_wa_tuner_shadow_overflow_requests", "vllm_wa_tuner_shadow_lost_finishes",
+                 "vllm_wa_tuner_shadow_expired_requests"):
+        assert fams[name].type == "counter", name
+        assert {s.labels["candidate"] for s in samples(fams[name]) if s.name.endswith("_total")} == candidates
+
+
+def test_a_miniature_cache_s_lost_finishes_reach_the_metrics(engine, monkeypatch):
+    """Requests a miniature cache released without their finish (more held
+    than it may hold, or none for max_watch_s) and sampled requests that did
+    not fit are counted per candidate, as counters, once each."""
+    from vllm_wa.controller import shadow
+
+    monkeypatch.setattr(shadow, "MAX_LIVE_REQUESTS", 2)
+    c = engine.controller
+    name = next(n for n in c.tuner.names if n != "lru")
+    sc = c.candidates[name].shadow
+    for i in range(5):
+        sc.lookup(f"lost{i}", "t", [("lost", i, j) for j in range(2)], 1.0)
+    sc.expire(1.0 + 2 * c.config.max_watch_s, c.config.max_watch_s)
+    engine.clock.advance(2.0)
+    c.refit()
+    row = next(x for x in c.snapshot["candidates"] if x["name"] == name)
+    assert (row["shadow_lost_finishes"], row["shadow_expired"], row["shadow_overflow"]) == (3, 2, 0)
+    app, _, snapshots = make_app([engine], SETTINGS)
+    with TestClient(app) as http:
+        http.get("/wa/params", headers=AUTH)
+    fams = scrape(snapshots)
+    lost = {s.labels["candidate"]: s.value for s in samples(fams["vllm_wa_tuner_shadow_lost_finishes"])
+            if s.name.endswith("_total")}
+    expired = {s.labels["candidate"]: s.value for s in samples(fams["vllm_wa_tuner_shadow_expired_requests"])
+               if s.name.endswith("_total")}
+    assert lost[name] == 3 and expired[name] == 2
+    assert all(v == 0 for n, v in lost.items() if n != name)
 
 
 def test_reuse_series_disappear_when_a_class_falls_back_to_the_default(engine):

@@ -861,6 +861,7 @@ class WAController:
                     "sampled_hit_rate": rnd(rate),
                     "sampled_lookups": lookups,
                     "shadow_blocks": self.shadow_blocks,
+                    **self._shadow_counters(name),
                     **self._learned_state(name),
                 }
                 for name, (rate, lookups) in rates.items()
@@ -898,6 +899,17 @@ class WAController:
             "watches_censored": self.tracker.censored,
             "ghost_blocks": len(self.tracker.ghost),
             "sample_rate": self.sink.sample_rate,
+        }
+
+    def _shadow_counters(self, name: str) -> dict[str, int]:
+        """What a candidate's miniature cache could not measure: sampled
+        requests whose blocks did not fit (counted as misses), and requests
+        it released without their finish (a full event sink)."""
+        shadow = self.candidates[name].shadow
+        return {
+            "shadow_overflow": shadow.overflow,
+            "shadow_lost_finishes": shadow.lost_finishes,
+            "shadow_expired": shadow.expired,
         }
 
     def _learned_state(self, name: str) -> dict[str, Any]:

@@ -57,8 +57,11 @@ class ShadowCache:
         self.overflow = 0
         self._tags: dict[str, str] = {}
         self._since: dict[str, float] = {}  # request -> when it was admitted
-        # Requests released because more than MAX_LIVE_REQUESTS were held.
+        # Requests released because more than MAX_LIVE_REQUESTS were held, and
+        # those released because none came for ``max_hold_s`` (see expire):
+        # both are finishes the controller never saw.
         self.lost_finishes = 0
+        self.expired = 0
 
     def _make_queue(self, blocks: list) -> Any:
         if self.spec.lru:
@@ -128,4 +131,5 @@ class ShadowCache:
         stale = [rid for rid, t in self._since.items() if now - t > max_hold_s]
         for rid in stale:
             self.finish(rid, None, now)
+        self.expired += len(stale)
         return len(stale)

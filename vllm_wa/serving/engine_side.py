@@ -265,10 +265,14 @@ def _calibration(snapshot: dict[str, Any] | None) -> dict[str, Any]:
     return {"sampled_real_hit_ratio": cal["real_hit_rate"], "sampled_predicted_hit_ratio": cal["predicted_hit_rate"]}
 
 
+# Per candidate, what its miniature cache could not measure (controller state).
+SHADOW_COUNTERS = ("shadow_overflow", "shadow_lost_finishes", "shadow_expired")
+
+
 def _tuner(snapshot: dict[str, Any] | None) -> dict[str, Any]:
-    """The tuner's switches by reason, and per candidate its seconds run and
-    whether it is the tuner's choice, as of the last refit (absent before
-    it).  Candidates come from the controller config: a bounded label set."""
+    """The tuner's switches by reason, and per candidate its seconds run,
+    whether it is the tuner's choice and its miniature cache's losses, as of
+    the last refit (absent before it).  Candidates come from the controller config: a bounded label set."""
     if not snapshot:
         return {}
     demotions = snapshot.get("demotions", 0)
@@ -281,9 +285,17 @@ def _tuner(snapshot: dict[str, Any] | None) -> dict[str, Any]:
     }
     active = snapshot.get("active_candidate")
     seconds = snapshot.get("seconds_on_candidate") or {}
+    shadow = {c.get("name"): c for c in snapshot.get("candidates") or () if isinstance(c, dict)}
     return {
         "tuner_switches": {reason: {"count": n} for reason, n in switches.items()},
-        "candidates": {name: {"seconds": s, "active": int(name == active)} for name, s in seconds.items()},
+        "candidates": {
+            name: {
+                "seconds": s,
+                "active": int(name == active),
+                **{k: shadow.get(name, {}).get(k) for k in SHADOW_COUNTERS},
+            }
+            for name, s in seconds.items()
+        },
     }
 
 

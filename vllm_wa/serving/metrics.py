@@ -107,6 +107,18 @@ SWITCH_COUNTERS = {
 # Per configured ``candidate``.
 CANDIDATE_COUNTERS = {
     "seconds": ("vllm_wa_tuner_candidate_seconds", "Seconds the tuner has run each candidate (as of the last refit)."),
+    "shadow_overflow": (
+        "vllm_wa_tuner_shadow_overflow_requests",
+        "Sampled requests whose blocks did not fit in the candidate's miniature cache (measured as misses).",
+    ),
+    "shadow_lost_finishes": (
+        "vllm_wa_tuner_shadow_lost_finishes",
+        "Requests the candidate's miniature cache released unfinished because it held too many (finishes lost).",
+    ),
+    "shadow_expired": (
+        "vllm_wa_tuner_shadow_expired_requests",
+        "Requests the candidate's miniature cache released after max_watch_s without their finish.",
+    ),
 }
 CANDIDATE_GAUGES = {
     "active": (
