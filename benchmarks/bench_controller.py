@@ -30,6 +30,7 @@ from vllm_wa.engine_patch.block_tagger import RequestTags
 from vllm_wa.engine_patch.conversations import TurnTiming
 from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent, FinishedEvent, FreedEvent, LookupEvent
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+from vllm_wa.kv_block import set_hash
 from vllm_wa.params import ReuseModel, WAParams
 from vllm_wa.workload_classes import ClassRegistry
 
@@ -147,7 +148,7 @@ def bench_unlocked(seconds: float = 3.0) -> dict[str, float]:
     cids = [reg.id_of(f"c{i}") for i in range(4)]
     got = q.popleft_n(n)
     for b in got:
-        b._block_hash = b.block_id
+        set_hash(b, b.block_id)
         q.block_class[b.block_id] = cids[b.block_id % 4]
     q.append_n(got)
 
@@ -159,7 +160,7 @@ def bench_unlocked(seconds: float = 3.0) -> dict[str, float]:
             t0 = time.perf_counter()
             taken = q.popleft_n(32)
             for b in taken:
-                b._block_hash = b.block_id
+                set_hash(b, b.block_id)
                 q.block_class[b.block_id] = cids[b.block_id % 4]  # as the block tagger files it
             q.append_n(taken)
             worst = max(worst, time.perf_counter() - t0)

@@ -38,6 +38,7 @@ from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch import WorkloadAwareFreeQueue
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.install import install_wa_queue, uninstall_wa_queue
+from vllm_wa.kv_block import set_hash
 from vllm_wa.params import ReuseModel, WAParams
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
@@ -92,7 +93,7 @@ def run(kind: str, n: int, seed: int) -> dict[str, float]:
     taken = q.popleft_n(n)
     file(taken)
     for b in taken:
-        b._block_hash = b"h" + b.block_id.to_bytes(8, "little")
+        set_hash(b, b"h" + b.block_id.to_bytes(8, "little"))
     order = list(range(0, n, RUN))
     rng.shuffle(order)
     for start in order:
@@ -182,7 +183,7 @@ def run_pool(kind: str, n: int, seed: int) -> dict[str, float]:
                 h.queue.block_class[b.block_id] = cids[(b.block_id // RUN) % NUM_CLASSES]
             counter[0] += 1
             key = make_block_hash_with_group_id(counter[0].to_bytes(32, "little"), 0)
-            b._block_hash = key
+            set_hash(b, key)
             pool.cached_block_hash_to_block.insert(key, b)
 
     # Warm: fill the pool with cached, freed requests.

@@ -26,6 +26,15 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 settings.register_profile("explore", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# `make test-vllm034` runs tests against another vLLM's sources (on PYTHONPATH):
+# that they are the ones imported is checked, not assumed.
+_EXPECTED_VLLM = os.environ.get("VLLM_WA_EXPECT_VLLM")
+if _EXPECTED_VLLM:
+    import vllm
+
+    if vllm.__version__ != _EXPECTED_VLLM:
+        raise pytest.UsageError(f"expected vLLM {_EXPECTED_VLLM}, imported {vllm.__version__} from {vllm.__file__}")
+
 
 def load_benchmark(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""

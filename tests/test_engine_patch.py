@@ -22,6 +22,7 @@ from vllm_wa.engine_patch.install import (
     manager_hooks_installed,
     uninstall_wa_queue,
 )
+from vllm_wa.kv_block import set_hash
 from vllm_wa.params import ParamsError, ReuseModel, WAParams
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.prefix_cache import SimPrefixCache
@@ -99,12 +100,33 @@ def test_install_refuses_other_media(clock):
 
 
 def test_unsupported_vllm_version_is_a_clear_error():
-    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM >=0.32,<0.34.*0\.31\.0"):
+    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM >=0.32,<0.35.*0\.31\.0"):
         check_vllm_version("0.31.0")
-    with pytest.raises(UnsupportedVLLMError, match="0.34"):
-        check_vllm_version("0.34.1")
+    with pytest.raises(UnsupportedVLLMError, match="0.35"):
+        check_vllm_version("0.35.0")
     assert check_vllm_version("0.33.0") == "0.33.0"
+    assert check_vllm_version("0.34.0") == "0.34.0"
     assert check_vllm_version().startswith("0.3")
+
+
+def test_a_block_s_hash_is_read_and_written_in_the_slot_this_vllm_has():
+    """vLLM 0.34 renamed KVCacheBlock's ``_block_hash`` slot to ``block_hash``
+    (0.32 and 0.33 read it through a property of that name); the queue reads
+    and writes that slot under one name, an alias of its own descriptor."""
+    from vllm_wa.kv_block import HASH_SLOT, hash_of, install_hash_alias, set_hash
+
+    b = KVCacheBlock(3)
+    assert HASH_SLOT in KVCacheBlock.__slots__
+    set_hash(b, b"h" * 32)
+    assert hash_of(b) == b.block_hash == b"h" * 32
+    install_hash_alias()
+    install_hash_alias()  # idempotent
+    assert b.wa_block_hash == b"h" * 32
+    b.reset_hash()  # vLLM's own writes are seen through the alias ...
+    assert hash_of(b) is None and b.wa_block_hash is None
+    b.wa_block_hash = b"g" * 32  # ... and the alias's by vLLM
+    assert b.block_hash == b"g" * 32
+    assert "wa_block_hash" not in KVCacheBlock.__slots__  # no new slot: blocks are as large as before
 
 
 # ---- vLLM's own prefix-caching scenarios, re-run on the patched pool ------------------------
@@ -459,7 +481,7 @@ def test_the_tagger_keeps_the_blocks_of_the_releases_it_remembers_only():
         held = queue.popleft_n(40)
         for b in held:
             digest += 1
-            b._block_hash = digest.to_bytes(8, "little") * 4  # bytes, as vLLM's hashes
+            set_hash(b, digest.to_bytes(8, "little") * 4)  # bytes, as vLLM's hashes
             b.ref_cnt = 1
         tagger.on_free(block_tagger.RequestTags(f"req-{r}"), held)
         for b in held:
@@ -492,7 +514,7 @@ def test_the_late_fact_memory_is_bounded_by_releases_and_blocks_not_by_request_i
         held = queue.popleft_n(n)
         for b in held:
             digest += 1
-            b._block_hash = digest.to_bytes(8, "little") * 4
+            set_hash(b, digest.to_bytes(8, "little") * 4)
             b.ref_cnt = 1
         tagger.on_free(block_tagger.RequestTags(rid, outcome="stop"), held)
         for b in held:
@@ -827,14 +849,14 @@ def test_a_lookup_through_the_kv_connector_path_is_reported_once(clock, monkeypa
     assert looked_up == ["r1"]
     plain = KVCacheManager.get_computed_blocks.__vllm_wa_wrapped__
     # The hybrid path: vLLM finds the hits itself, without get_computed_blocks.
-    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, req: plain(self, req))
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, req, *args: plain(self, req, *args))
     m.get_computed_blocks_for_connector(make_request("r2", tokens(100, 2, 1)))
     assert [e.request_id for e in sink.drain() if e.kind == EventKind.LOOKUP] == ["r2"]
     # A hit deeper than a lagging group: the scheduler settles it with
     # get_computed_blocks (reported then), so it is not reported here.
     from vllm_wa.engine_patch import install
 
-    diverged = install._wrap_connector_lookup(lambda self, req: (*plain(self, req), True))
+    diverged = install._wrap_connector_lookup(lambda self, req, *args: (*plain(self, req, *args), True))
     r3 = make_request("r3", tokens(200, 2, 1))
     diverged(m, r3)
     assert [e for e in sink.drain() if e.kind == EventKind.LOOKUP] == []

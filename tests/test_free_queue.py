@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from vllm_wa.engine_patch import WorkloadAwareFreeQueue
+from vllm_wa.kv_block import hash_of, set_hash
 from vllm_wa.params import ReuseModel, WAParams, time_to_live
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.workload_classes import ClassRegistry
@@ -53,26 +54,26 @@ class TwinQueues:
                 self.held.append(b.block_id)
                 # Evicted: the pool drops the old hash; most refill as cached blocks.
                 for blocks in (self.vb, self.wb):
-                    blocks[b.block_id]._block_hash = None
+                    set_hash(blocks[b.block_id], None)
                 if rng.random() < 0.8:
                     self.next_hash += 1
                     for blocks in (self.vb, self.wb):
-                        blocks[b.block_id]._block_hash = self.next_hash.to_bytes(8, "little")
+                        set_hash(blocks[b.block_id], self.next_hash.to_bytes(8, "little"))
         elif op < 0.7 and self.held:
             k = rng.randint(1, len(self.held))
             chosen = rng.sample(self.held, k)
             for bid in chosen:
                 self.held.remove(bid)
                 self.wq.block_class[bid] = rng.choice(self.cids)
-            hashed = [bid for bid in chosen if self.vb[bid]._block_hash is not None]
-            unhashed = [bid for bid in chosen if self.vb[bid]._block_hash is None]
+            hashed = [bid for bid in chosen if hash_of(self.vb[bid]) is not None]
+            unhashed = [bid for bid in chosen if hash_of(self.vb[bid]) is None]
             # What BlockPool.free_blocks does: unhashed to the front, hashed to the back.
             vq.prepend_n([self.vb[i] for i in unhashed])
             wq.prepend_n([self.wb[i] for i in unhashed])
             vq.append_n([self.vb[i] for i in hashed])
             wq.append_n([self.wb[i] for i in hashed])
         elif op < 0.9:
-            free_hashed = [b.block_id for b in vq.get_all_free_blocks() if b._block_hash is not None]
+            free_hashed = [b.block_id for b in vq.get_all_free_blocks() if hash_of(b) is not None]
             if free_hashed:
                 bid = rng.choice(free_hashed)
                 vq.remove(self.vb[bid])
@@ -184,7 +185,7 @@ def test_matches_brute_force_model(data, n_classes, mode, horizon):
             assert got == ref.pop(k, clock.t)
             for bid in got:
                 h += 1
-                blocks[bid]._block_hash = h
+                set_hash(blocks[bid], h)
             held.extend(got)
         elif op == "free" and held:
             chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=6, unique=True))
@@ -216,7 +217,7 @@ def test_older_block_of_a_class_never_outranks_newer():
     q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg)
     got = q.popleft_n(40)
     for i, blk in enumerate(got):
-        blk._block_hash = i
+        set_hash(blk, i)
         q.block_class[blk.block_id] = a if i % 2 else b
         clock.advance(1.0)
         q.append_n([blk])
@@ -239,7 +240,7 @@ def test_class_with_faster_reuse_is_kept_when_idle_is_short():
     q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg)
     got = q.popleft_n(8)
     for i, blk in enumerate(got):
-        blk._block_hash = i
+        set_hash(blk, i)
         q.block_class[blk.block_id] = fast if i < 4 else slow
     q.append_n(got[4:])  # slow class freed first (older)
     clock.advance(1.0)
@@ -291,7 +292,7 @@ def test_set_params_from_another_thread_keeps_queue_consistent():
             else:
                 got = q.popleft_n(min(q.num_free_blocks, rng.randint(1, 8)))
                 for b in got:
-                    b._block_hash = step * 1000 + b.block_id
+                    set_hash(b, step * 1000 + b.block_id)
                 held.extend(got)
     finally:
         stop.set()
@@ -308,7 +309,7 @@ def _hashed_two_class_queue(n, params=None, block=KVCacheBlock):
     q = WorkloadAwareFreeQueue([block(i) for i in range(n)], params, clock=clock, registry=reg)
     got = q.popleft_n(n)
     for i, blk in enumerate(got):
-        blk._block_hash = i
+        set_hash(blk, i)
     return q, clock, got, a, b
 
 
@@ -432,7 +433,7 @@ def _lookup_stamped_queue(n: int) -> tuple[WorkloadAwareFreeQueue, SettableClock
     q = WorkloadAwareFreeQueue(blocks, WAParams(stamp="lookup"), clock=clock)
     got = q.popleft_n(n)
     for i, blk in enumerate(got):
-        blk._block_hash = i
+        set_hash(blk, i)
     return q, clock, got
 
 
@@ -495,7 +496,7 @@ def test_lookup_stamped_lists_match_a_sorted_model_through_hits_evictions_refile
     q = WorkloadAwareFreeQueue(blocks, lookup, clock=clock, registry=reg)
     held = q.popleft_n(n)
     for b in held:
-        b._block_hash = b.block_id
+        set_hash(b, b.block_id)
     model: dict[int, list[tuple[float, int, int]]] = {c: [] for c in cids}
     seq = 0
 
@@ -573,7 +574,7 @@ def test_the_lazy_offload_walk_copies_every_block_before_it_is_evicted():
     params = WAParams(models={"hot": ReuseModel.exponential(0.9, 0.5), "cold": ReuseModel.exponential(0.01, 0.5)})
     blocks = [KVCacheBlock(i) for i in range(8)]
     for b in blocks:
-        b._block_hash = ("h", b.block_id)
+        set_hash(b, ("h", b.block_id))
     q = WorkloadAwareFreeQueue([], params, clock=clock, registry=reg, num_block_ids=8)
     for b in blocks[:4]:
         q.block_class[b.block_id] = hot
@@ -612,7 +613,7 @@ def test_counters_track_free_and_evicted_per_class():
     q = WorkloadAwareFreeQueue(blocks, None, clock=clock, registry=reg)
     got = q.popleft_n(6)
     for i, blk in enumerate(got):
-        blk._block_hash = i
+        set_hash(blk, i)
         q.block_class[blk.block_id] = a if i < 4 else b
     q.append_n(got)
     assert q.counters.freed[a] == 4 and q.counters.freed[b] == 2
@@ -662,7 +663,7 @@ def test_ttl_mode_evicts_by_stamp_plus_each_classes_time_to_live():
     q = WorkloadAwareFreeQueue([KVCacheBlock(i) for i in range(30)], params, clock=clock, registry=reg)
     got = q.popleft_n(30)
     for i, blk in enumerate(got):
-        blk._block_hash = i
+        set_hash(blk, i)
     # Break-even 240 s: the fast class keeps its blocks ln(0.9 * 0.1 * 240) / 0.1
     # = 30.7 s longer, the slow one (0.05 * 0.01 * 240 < 1) not at all.
     assert time_to_live(fast_m, 240.0) == pytest.approx(30.7, abs=0.05)
@@ -693,7 +694,7 @@ def _evictions_with(params: WAParams, seed: int, n: int = 200, steps: int = 4000
     q.set_params(params)
     held = q.popleft_n(n)
     for b in held:
-        b._block_hash = ("h", b.block_id)
+        set_hash(b, ("h", b.block_id))
     popped: list[int] = []
     t = 0.0
     for _ in range(steps):
@@ -745,7 +746,7 @@ def test_a_run_from_tied_heads_stops_where_its_blocks_score_above_them():
     params = WAParams(models={"A": ReuseModel.exponential(1.0, 1.0), "B": ReuseModel.exponential(0.5, 1.0)}, mode="pr")
     blocks = [KVCacheBlock(i) for i in range(4)]
     for b in blocks:
-        b._block_hash = ("h", b.block_id)
+        set_hash(b, ("h", b.block_id))
     q = WorkloadAwareFreeQueue([], params, clock=clock, registry=reg, num_block_ids=4)
     a, b_ = reg.claim("A", 0.0), reg.claim("B", 0.0)
     # B's scores are A's shifted by log 0.5: B's head, freed ln 2 s after A's, ties A's head.
@@ -775,7 +776,7 @@ def test_the_walk_over_long_runs_is_the_eviction_order(seed):
     q = WorkloadAwareFreeQueue(blocks, params, clock=clock, registry=reg, score_staleness=0.0)
     held = q.popleft_n(400)
     for i, b in enumerate(held):
-        b._block_hash = ("h", i)
+        set_hash(b, ("h", i))
     while held:
         clock.advance(rng.choice([0.01, 0.5, 3.0, 20.0]))
         k = rng.randint(10, 64)
@@ -807,7 +808,7 @@ def test_a_block_within_the_tie_of_the_runner_up_waits_for_the_older_head():
     q = WorkloadAwareFreeQueue([], params, clock=clock, registry=reg, num_block_ids=len(plan), score_staleness=0.0)
     cls = {"A": reg.claim("A", 0.0), "B": reg.claim("B", 0.0)}
     for b, (name, t) in zip(blocks, plan):
-        b._block_hash = ("h", b.block_id)
+        set_hash(b, ("h", b.block_id))
         clock.t = t
         q.block_class[b.block_id] = cls[name]
         q.append_n([b])

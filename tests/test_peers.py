@@ -7,6 +7,7 @@ from array import array
 
 import pytest
 
+from vllm_wa.kv_block import set_hash
 from vllm_wa.replay.engines import FastEngine, make_engine
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.peers.session import GhostScores
@@ -231,7 +232,7 @@ def test_arc_blocks_filed_out_of_stamp_order_still_leave_in_stamp_order():
     q.popleft()  # vLLM's null block
     got = q.popleft_n(6)
     for b, key in zip(got, [11, 12, 13, 21, 22, 23]):
-        b._block_hash = key
+        set_hash(b, key)
     a, b = RequestHints("a", [11, 12, 13], 48), RequestHints("b", [21, 22, 23], 48)
     q.on_admitted(a, got[:3], 0, 0.0)
     q.on_admitted(b, got[3:], 0, 0.0)
@@ -254,7 +255,7 @@ def test_arc_falls_back_to_t1_when_t2_has_nothing_evictable():
     q.popleft()  # vLLM's null block
     got = q.popleft_n(4)
     for b, h in zip(got, [11, 12, 13, 14]):
-        b._block_hash = h
+        set_hash(b, h)
     a, b, c = (RequestHints(r, k, 32) for r, k in (("a", [11, 12]), ("b", [13, 14]), ("c", [13, 14])))
     q.on_admitted(a, got[:2], 0, 0.0)  # T1: blocks 1, 2
     q.on_admitted(b, got[2:], 0, 0.0)  # T1: blocks 3, 4

@@ -16,6 +16,7 @@ import pytest
 from vllm_wa.cli import main as cli_main
 from vllm_wa.cli import sample_path
 from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.kv_block import hash_of
 from vllm_wa.params import WAParams
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
@@ -554,7 +555,7 @@ def test_pinned_blocks_are_never_evicted_and_overflow_is_reported():
     pool.release("a")
     # a's blocks are free again and cached; a prompt sharing them hits
     hits = pool.lookup([1, 2, 3, 10])
-    assert [b._block_hash for b in hits] == [1, 2, 3]
+    assert [hash_of(b) for b in hits] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("id_space", [None, 1000])
@@ -572,8 +573,8 @@ def test_lookup_is_the_cached_prefix_of_long_prompts(first_miss, id_space):
     pool.release("a")
     hits = pool.lookup(prompt)
     want = 999 if first_miss is None else first_miss
-    assert [b._block_hash for b in hits] == prompt[:want]
-    assert [b._block_hash for b in pool.lookup(prompt[:want + 1])] == prompt[:want]
+    assert [hash_of(b) for b in hits] == prompt[:want]
+    assert [hash_of(b) for b in pool.lookup(prompt[:want + 1])] == prompt[:want]
 
 
 @pytest.mark.parametrize("prefix_hits", [True, False])

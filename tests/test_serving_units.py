@@ -9,7 +9,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import finish, make_manager, make_request, run_prefill
 from prometheus_client import REGISTRY
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.request import RequestStatus
@@ -18,14 +17,16 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID
 from vllm_wa.engine_patch.install import install_wa_queue
+from vllm_wa.kv_block import set_hash
 from vllm_wa.params import ParamsError, WAParams
 from vllm_wa.serving import api_side, engine_side
 from vllm_wa.serving import metrics as metrics_mod
-from vllm_wa.serving.engine_side import EngineWA, external_request_id, match_api_reports
-from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL
-from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving import settings as settings_mod
-from vllm_wa.serving.settings import ServingSettings
+from vllm_wa.serving.engine_side import EngineWA, external_request_id, match_api_reports
+from vllm_wa.serving.pin_request import parse_pin_request
+from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
+
+from conftest import finish, make_manager, make_request, run_prefill
 
 
 def test_external_request_ids():
@@ -270,7 +271,7 @@ def test_blocks_freed_without_a_release_are_counted_under_the_default_class():
     assert set(engine_side.wa_get_metrics(core)["classes"]) == {"agent.o:stop"}
     taken = m.block_pool.get_new_blocks(3)  # the partial block and two of the full ones
     for i, b in enumerate(taken):
-        b._block_hash = make_block_hash_with_group_id(bytes([i + 1]) * 32, 0)
+        set_hash(b, make_block_hash_with_group_id(bytes([i + 1]) * 32, 0))
     m.block_pool.free_blocks(taken)  # what vLLM's sliding-window manager does
     assert h.queue.free_blocks_by_class() == {"agent.o:stop": 1, "default": 3}
     metrics = engine_side.wa_get_metrics(core)
@@ -352,6 +353,8 @@ def test_plugin_without_flag_patches_no_engine_code():
         "import vllm.entrypoints.serve.instrumentator.metrics as m;"
         "assert not hasattr(m.get_prometheus_registry, '__vllm_wa_wrapped__');"
         "assert not hasattr(app.attach_endpoint_plugins, '__vllm_wa_wrapped__');"
+        "from vllm.v1.core.kv_cache_utils import KVCacheBlock;"
+        "assert not hasattr(KVCacheBlock, 'wa_block_hash');"
         "print('clean')"
     )
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_WA_")}

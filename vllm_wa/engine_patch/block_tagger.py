@@ -33,6 +33,7 @@ from vllm_wa.engine_patch.events import (
     OutcomeEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
+from vllm_wa.kv_block import install_hash_alias
 from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
 
 _block_id = attrgetter("block_id")
@@ -155,6 +156,7 @@ class BlockTagger:
         conversations: ConversationTracker | None = None,
         tags: ClassRegistry | None = None,
     ) -> None:
+        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
         self.queue = queue
         self.blocks = blocks
         self.sink = sink
@@ -371,7 +373,7 @@ class BlockTagger:
         is_sampled = self.sink.is_sampled
         out = []
         for i, b in enumerate(hit_blocks):
-            h = b._block_hash
+            h = b.wa_block_hash
             bid = b.block_id
             if flagged[bid] is not h:
                 flagged[bid] = h
@@ -398,7 +400,7 @@ class BlockTagger:
         num_classes = len(reused)
         for b in hit_blocks:
             bid = b.block_id
-            h = b._block_hash
+            h = b.wa_block_hash
             if counted[bid] != h:
                 counted[bid] = h
                 counts[bid] = 0
@@ -484,7 +486,7 @@ class BlockTagger:
             for bid in group:
                 if bid >= 0:
                     owner[bid] = serial
-        hashes = [[b._block_hash for b in blocks] for blocks in groups]
+        hashes = [[b.wa_block_hash for b in blocks] for blocks in groups]
         recs = self._finished.get(key)
         if recs is None or len(recs) >= MAX_RELEASES_PER_ID:
             if recs:
@@ -572,7 +574,7 @@ class BlockTagger:
             sampled, flagged = queue.sampled, queue.sampled_hash
             for b in blocks:
                 # Flagged as not sampled under the hash it holds, until it holds another.
-                flagged[b.block_id] = b._block_hash
+                flagged[b.block_id] = b.wa_block_hash
                 sampled[b.block_id] = 0
             return ()
         return self._emit_freed(req, blocks, now, [] if self._remember else None)
@@ -593,8 +595,9 @@ class BlockTagger:
         else:
             for pos, b in enumerate(blocks):
                 bid = b.block_id
-                if counted[bid] != b._block_hash:
-                    counted[bid] = b._block_hash
+                h = b.wa_block_hash
+                if counted[bid] != h:
+                    counted[bid] = h
                     counts[bid] = 0
                 cid = claim(key(req, pos, counts[bid]), now)
                 if cid is None:
@@ -617,8 +620,8 @@ class BlockTagger:
         all_ = sink.samples_all
         is_sampled = sink.is_sampled
         counts, counted = self.reuse_count, self._counted_hash
-        if not all_ and blocks and type(blocks[0]._block_hash) is int:
-            mask = sink.sampled_ids([b._block_hash for b in blocks])
+        if not all_ and blocks and type(blocks[0].wa_block_hash) is int:
+            mask = sink.sampled_ids([b.wa_block_hash for b in blocks])
             if mask is not None:
                 # Trace ids: every flag at once, then only the sampled blocks
                 # (each with the hash its flag is for, as the eviction checks).
@@ -626,7 +629,7 @@ class BlockTagger:
                 np.frombuffer(sampled, dtype=np.uint8)[ids] = mask
                 for pos in np.flatnonzero(mask).tolist():
                     b = blocks[pos]
-                    h, bid = b._block_hash, b.block_id
+                    h, bid = b.wa_block_hash, b.block_id
                     flagged[bid] = h
                     if b.ref_cnt == 1:
                         reuse = counts[bid] if counted[bid] == h else 0
@@ -635,7 +638,7 @@ class BlockTagger:
                             reported.append((pos, h, reuse))
                 return tuple(reported) if reported else ()
         for pos, b in enumerate(blocks):
-            h = b._block_hash
+            h = b.wa_block_hash
             bid = b.block_id
             if flagged[bid] is not h:  # with every block sampled too: the eviction checks the hash
                 flagged[bid] = h
@@ -725,7 +728,7 @@ class BlockTagger:
                 if bid < 0 or owner[bid] != rec.serial:
                     continue
                 b = blocks[bid]
-                if b._block_hash != h:
+                if b.wa_block_hash != h:
                     # Evicted since, and reused where no remembered release
                     # saw it (a sliding-window group frees blocks mid-request).
                     continue

@@ -34,6 +34,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent
+from vllm_wa.kv_block import install_hash_alias
 from vllm_wa.params import ClassScorer, ParamsError, WAParams
 from vllm_wa.workload_classes import DEFAULT_ID, ClassRegistry
 
@@ -223,6 +224,7 @@ class WorkloadAwareFreeQueue:
         num_block_ids: int | None = None,
         score_staleness: float = 1e-3,
     ) -> None:
+        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
         self.clock = clock
         self.registry = registry if registry is not None else ClassRegistry()
         self.sink = None
@@ -288,8 +290,8 @@ class WorkloadAwareFreeQueue:
         # a hash (installing into a live pool) join their class.
         self.num_free_blocks = 0
         blocks = list(blocks)
-        hashed = [b for b in blocks if b._block_hash is not None]
-        self._link_run(self._nohash, [b for b in blocks if b._block_hash is None], at_front=False)
+        hashed = [b for b in blocks if b.wa_block_hash is not None]
+        self._link_run(self._nohash, [b for b in blocks if b.wa_block_hash is None], at_front=False)
         self.num_free_blocks = len(blocks) - len(hashed)
         self.append_n(hashed)
         self.counters.freed = [0] * cap
@@ -542,7 +544,7 @@ class WorkloadAwareFreeQueue:
         self._link_run(self._nohash, blocks, at_front=True)
         self.num_free_blocks += len(blocks)
         for b in blocks:
-            if b._block_hash is not None:
+            if b.wa_block_hash is not None:
                 self._hashed_first.add(b.block_id)
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -721,12 +723,15 @@ class WorkloadAwareFreeQueue:
         sampled, sampled_hash = self.sampled, self.sampled_hash
         for i in range(start, len(out)):
             b = out[i]
-            h = b._block_hash
+            bid = b.block_id
+            if not sampled[bid]:  # most blocks: their hash is not read
+                continue
+            h = b.wa_block_hash
             # A flag describes the content whose hash it was computed for: a
             # block freed without the tagger holds other content.  (With every
             # block sampled the tagger still flags what it releases, so that
             # holds there too, and another group's blocks stay unflagged.)
-            if h is not None and sampled[b.block_id] and sampled_hash[b.block_id] is h:
+            if h is not None and sampled_hash[bid] is h:
                 sink.emit(EvictedEvent(EventKind.EVICTED, now, h))
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
@@ -827,7 +832,7 @@ class WorkloadAwareFreeQueue:
         grouped = self._grouped
         placed: KVCacheBlock | None = None  # the block this call placed last (not grouped)
         for b in blocks:
-            if b.next_free_block is None or b._block_hash is None:
+            if b.next_free_block is None or b.wa_block_hash is None:
                 continue
             bid = b.block_id
             old = cls_of[bid]
@@ -940,7 +945,7 @@ class WorkloadAwareFreeQueue:
                     last_stamp = s
                 else:
                     first_to_go.add(b.block_id)
-                    assert b._block_hash is None or b.block_id in self._hashed_first, "cached block first-to-go untracked"
+                    assert b.wa_block_hash is None or b.block_id in self._hashed_first, "cached block first-to-go untracked"
                 prev, b, n = b, b.next_free_block, n + 1
             assert tail.prev_free_block is prev
             assert n == 0 or c == self._nohash or self._is_live[c], f"list {c} not marked live"

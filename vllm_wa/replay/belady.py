@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_wa.kv_block import install_hash_alias
 from vllm_wa.replay.trace import Trace
 
 NEVER = np.iinfo(np.int64).max
@@ -85,6 +86,7 @@ class BeladyFreeQueue:
     """
 
     def __init__(self, blocks: list[KVCacheBlock], num_block_ids: int | None = None) -> None:
+        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
         n = num_block_ids if num_block_ids is not None else max((b.block_id for b in blocks), default=-1) + 1
         self.next_use = [NEVER] * n
         self._version = [0] * n
@@ -106,9 +108,9 @@ class BeladyFreeQueue:
         self.child = [-1] * n
         self.more_children: dict[int, set[int]] = {}
         self.num_free_blocks = 0
-        unhashed = [b for b in blocks if b._block_hash is None]
+        unhashed = [b for b in blocks if b.wa_block_hash is None]
         self.prepend_n(unhashed)
-        self.append_n([b for b in blocks if b._block_hash is not None])
+        self.append_n([b for b in blocks if b.wa_block_hash is not None])
 
     def _push(self, b: KVCacheBlock) -> None:
         bid = b.block_id
@@ -117,7 +119,7 @@ class BeladyFreeQueue:
         self._is_free[bid] = 1
         self._blocks[bid] = b
         p = self.parent[bid]
-        if p is not None and p._block_hash != self.parent_hash[bid]:
+        if p is not None and p.wa_block_hash != self.parent_hash[bid]:
             self._orphans.append(b)
             return
         key = self.next_use[bid]
@@ -130,7 +132,7 @@ class BeladyFreeQueue:
 
     def rekey(self, b: KVCacheBlock) -> None:
         """The oracle changed ``b``'s next use: re-rank it if it is free."""
-        if self._is_free[b.block_id] and b._block_hash is not None:
+        if self._is_free[b.block_id] and b.wa_block_hash is not None:
             self._push(b)
 
     def _orphan_children(self, b: KVCacheBlock) -> None:
@@ -157,7 +159,7 @@ class BeladyFreeQueue:
         last_key, bucket = None, None  # a prompt's blocks mostly share their next use
         for b in blocks:
             bid = b.block_id
-            if b._block_hash is None:
+            if b.wa_block_hash is None:
                 self._fresh.append(b)
                 is_free[bid] = 1
                 continue
@@ -166,7 +168,7 @@ class BeladyFreeQueue:
             is_free[bid] = 1
             blocks_by_id[bid] = b
             p = parent[bid]
-            if p is not None and p._block_hash != parent_hash[bid]:
+            if p is not None and p.wa_block_hash != parent_hash[bid]:
                 self._orphans.append(b)
                 continue
             key = next_use[bid]
@@ -193,7 +195,7 @@ class BeladyFreeQueue:
             raise RuntimeError(f"remove() called on a block that is not free: {bid}")
         self._is_free[bid] = 0
         self._version[bid] += 1  # its bucket entry is now stale
-        if block._block_hash is None:
+        if block.wa_block_hash is None:
             self._fresh.remove(block)
         self.num_free_blocks -= 1
         # (a stale entry in _orphans is skipped when popped: it is not free)
@@ -207,7 +209,7 @@ class BeladyFreeQueue:
                 raise RuntimeError(f"remove() called on a block that is not free: {bid}")
             is_free[bid] = 0
             version[bid] += 1
-            if block._block_hash is None:
+            if block.wa_block_hash is None:
                 self._fresh.remove(block)
         self.num_free_blocks -= len(blocks)
 
@@ -295,6 +297,7 @@ class BeladyOracle:
     """
 
     def __init__(self, queue: BeladyFreeQueue, next_req: np.ndarray, offsets: np.ndarray) -> None:
+        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
         self.queue = queue
         self.next_req = next_req
         self.offsets = offsets
@@ -348,7 +351,7 @@ class BeladyOracle:
         trace_hash, blocks_of, block_of = self.trace_hash, self.blocks_of, self._block
         prev = blocks[n_hit - 1] if n_hit > 0 else None
         prev_id = prev.block_id if prev is not None else -1
-        prev_hash = prev._block_hash if prev is not None else None
+        prev_hash = prev.wa_block_hash if prev is not None else None
         for b, h, u in zip(blocks[n_hit:], hashes[n_hit : len(blocks)], nxt[n_hit:]):
             bid = b.block_id
             old = trace_hash[bid]
@@ -379,4 +382,4 @@ class BeladyOracle:
                         more_children[prev_id] = {bid}
                     else:
                         kids.add(bid)
-            prev, prev_id, prev_hash = b, bid, b._block_hash
+            prev, prev_id, prev_hash = b, bid, b.wa_block_hash

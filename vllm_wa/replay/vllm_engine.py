@@ -56,6 +56,8 @@ class VLLMEngine:
         # Peers' hooks are called here; the WA tagger is wrapped into the manager.
         self.hooks = policy.request_hooks
         self._live: dict[str, Any] = {}
+        # Trace hash id -> its place in order of first sight (see _prompt).
+        self._block_index: dict[Any, int] = {}
 
     # ---- what a served trace's driver overrides -------------------------------------
 
@@ -63,9 +65,17 @@ class VLLMEngine:
         return max(len(r.hash_ids) for r in trace.requests) * self.block_size + 1
 
     def _prompt(self, req: TraceRequest) -> tuple[list[int], int]:
-        """The prompt's token ids and the request's ``max_tokens``."""
+        """The prompt's token ids and the request's ``max_tokens``.
+
+        Block ``i`` of the trace (in order of first sight) becomes the ids
+        ``i * k .. i * k + k - 1``: one run per hash id, so prefixes are
+        shared exactly as the trace's ids say, and every id fits the 32-bit
+        token buffer vLLM 0.34 keeps (trace ids need not: the agentic
+        loader's are namespaced above 2**40).
+        """
         k = self.block_size
-        return [h * k + j for h in req.hash_ids for j in range(k)], 1
+        index = self._block_index
+        return [i * k + j for h in req.hash_ids for i in (index.setdefault(h, len(index)),) for j in range(k)], 1
 
     def _looked_up(self, req: TraceRequest) -> Sequence[Any]:
         """The hash ids of the blocks the prompt's lookup can match."""

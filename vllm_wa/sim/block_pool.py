@@ -22,6 +22,8 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_wa.kv_block import install_hash_alias
+
 # Blocks a prefix lookup checks first; each further chunk is twice as long.
 _FIRST_CHUNK = 64
 
@@ -53,6 +55,7 @@ class SimBlockPool:
     ) -> None:
         if num_blocks < 2:
             raise ValueError("a pool needs at least 2 blocks (one is the null block)")
+        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.queue = make_queue(self.blocks)
         self.null_block = self.queue.popleft()
@@ -104,7 +107,7 @@ class SimBlockPool:
         if self.prefix_hits:
             misses = hashes[len(hits):]
         else:
-            hit_set = {b._block_hash for b in hits}
+            hit_set = {b.wa_block_hash for b in hits}
             misses = [h for h in hashes if h not in hit_set]
         n_new = len(misses)
         evictable = [b.ref_cnt for b in hits].count(0)
@@ -138,7 +141,7 @@ class SimBlockPool:
         # replay, and a shared helper would add a Python call per block.
         if self._dense:
             for b, h in zip(new, misses):
-                old = b._block_hash
+                old = b.wa_block_hash
                 if old is not None:
                     # Without duplicates the block is the one lookups find.
                     if dups and old in dups:
@@ -146,21 +149,21 @@ class SimBlockPool:
                     else:
                         cached[old] = None
                 b.ref_cnt = 1
-                b._block_hash = h
+                b.wa_block_hash = h
                 if cached[h] is None:
                     cached[h] = b
                 else:
                     dups.setdefault(h, []).append(b)
         else:
             for b, h in zip(new, misses):
-                old = b._block_hash
+                old = b.wa_block_hash
                 if old is not None:
                     if dups and old in dups:
                         self._uncache(b)
                     else:
                         del cached[old]
                 b.ref_cnt = 1
-                b._block_hash = h
+                b.wa_block_hash = h
                 if cached.setdefault(h, b) is not b:
                     dups.setdefault(h, []).append(b)
         if self.prefix_hits:
@@ -172,7 +175,7 @@ class SimBlockPool:
 
     def _uncache(self, b: KVCacheBlock) -> None:
         """Evict ``b``'s hash (the block is being reallocated)."""
-        h = b._block_hash
+        h = b.wa_block_hash
         dups = self._dups.get(h)
         if (self.cached[h] if self._dense else self.cached.get(h)) is b:
             if dups:
@@ -187,7 +190,7 @@ class SimBlockPool:
             dups.remove(b)
             if not dups:
                 del self._dups[h]
-        b._block_hash = None
+        b.wa_block_hash = None
 
     def release(self, rid: str) -> list[KVCacheBlock]:
         """Free a request's blocks, tail first (like ``KVCacheManager.free``)."""

@@ -24,6 +24,8 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_wa.kv_block import install_hash_alias
+
 
 @dataclass(frozen=True, slots=True)
 class RequestHints:
@@ -60,6 +62,7 @@ class PeerQueue:
     """
 
     def __init__(self, blocks: list[KVCacheBlock], num_block_ids: int | None = None) -> None:
+        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
         n = max((b.block_id for b in blocks), default=-1) + 1
         if num_block_ids is not None:
             if num_block_ids < n:
@@ -74,8 +77,8 @@ class PeerQueue:
         self.num_free_blocks = 0
         for b in blocks:
             self.block[b.block_id] = b
-        self.prepend_n([b for b in blocks if b._block_hash is None])
-        self.append_n([b for b in blocks if b._block_hash is not None])
+        self.prepend_n([b for b in blocks if b.wa_block_hash is None])
+        self.append_n([b for b in blocks if b.wa_block_hash is not None])
 
     # ---- what subclasses implement ------------------------------------------------
 
@@ -147,7 +150,7 @@ class PeerQueue:
             raise RuntimeError(f"remove() called on a block that is not free: {bid}")
         self.is_free[bid] = 0
         self.num_free_blocks -= 1
-        if block._block_hash is None:
+        if block.wa_block_hash is None:
             self._unhashed.remove(block)
         else:
             self._unfree_cached(block)
@@ -160,11 +163,11 @@ class PeerQueue:
                 raise RuntimeError(f"remove() called on a block that is not free: {b.block_id}")
             is_free[b.block_id] = 0
         self.num_free_blocks -= len(blocks)
-        if None in [b._block_hash for b in blocks]:
+        if None in [b.wa_block_hash for b in blocks]:
             for b in blocks:
-                if b._block_hash is None:
+                if b.wa_block_hash is None:
                     self._unhashed.remove(b)
-            blocks = [b for b in blocks if b._block_hash is not None]
+            blocks = [b for b in blocks if b.wa_block_hash is not None]
         self._unfree_cached_n(blocks)
 
     def append(self, block: KVCacheBlock) -> None:
@@ -177,9 +180,9 @@ class PeerQueue:
         for b in blocks:
             is_free[b.block_id] = 1
         self.num_free_blocks += len(blocks)
-        if None in [b._block_hash for b in blocks]:  # rare: vLLM prepends these instead
-            self._unhashed.extend(b for b in blocks if b._block_hash is None)
-            blocks = [b for b in blocks if b._block_hash is not None]
+        if None in [b.wa_block_hash for b in blocks]:  # rare: vLLM prepends these instead
+            self._unhashed.extend(b for b in blocks if b.wa_block_hash is None)
+            blocks = [b for b in blocks if b.wa_block_hash is not None]
             if not blocks:
                 return
         self._free_cached(blocks if isinstance(blocks, list) else list(blocks))
@@ -192,7 +195,7 @@ class PeerQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks: unhashed ones first, then by block id (not eviction order)."""
-        rest = [b for b in self.block if b is not None and self.is_free[b.block_id] and b._block_hash is not None]
+        rest = [b for b in self.block if b is not None and self.is_free[b.block_id] and b.wa_block_hash is not None]
         return list(self._unhashed) + rest
 
 
