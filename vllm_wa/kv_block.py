@@ -5,8 +5,9 @@ vLLM 0.32 and 0.33 keep it in the private slot ``_block_hash`` of
 ``block_hash`` the slot itself (and has no ``_block_hash``).  The queue, the
 tagger and the replay's pools read it for every block they file, where a
 property or a ``getattr`` by name costs three to four times a slot read (6 %
-of a replay's CPU time, measured with ``attrgetter``).  So the classes that
-read it call :func:`install_hash_alias` when they are built: it names that
+of a replay's CPU time, measured with ``attrgetter``).  So the free queues
+and the replay's pool call :func:`install_hash_alias` when they are built (a
+tagger or Belady's oracle reads blocks only beside its queue): it names that
 same slot ``wa_block_hash`` on ``KVCacheBlock`` (the slot's own descriptor
 under a second name, so reads and writes cost what the slot's do and
 nothing about the block changes).  It is installed by those constructors

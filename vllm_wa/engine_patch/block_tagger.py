@@ -33,7 +33,6 @@ from vllm_wa.engine_patch.events import (
     OutcomeEvent,
 )
 from vllm_wa.engine_patch.free_queue import WorkloadAwareFreeQueue
-from vllm_wa.kv_block import install_hash_alias
 from vllm_wa.workload_classes import DEFAULT_CLASS, OTHER_CLASS, OTHER_ID, ClassRegistry, TagCounters, normalize_tag
 
 _block_id = attrgetter("block_id")
@@ -156,7 +155,7 @@ class BlockTagger:
         conversations: ConversationTracker | None = None,
         tags: ClassRegistry | None = None,
     ) -> None:
-        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
+        # (Blocks' hashes are read as wa_block_hash: ``queue`` named the slot so.)
         self.queue = queue
         self.blocks = blocks
         self.sink = sink

@@ -297,7 +297,7 @@ class BeladyOracle:
     """
 
     def __init__(self, queue: BeladyFreeQueue, next_req: np.ndarray, offsets: np.ndarray) -> None:
-        install_hash_alias()  # the hash slot under one name (vllm_wa.kv_block)
+        # (Blocks' hashes are read as wa_block_hash: ``queue`` named the slot so.)
         self.queue = queue
         self.next_req = next_req
         self.offsets = offsets

@@ -75,7 +75,8 @@ class VLLMEngine:
         """
         k = self.block_size
         index = self._block_index
-        return [i * k + j for h in req.hash_ids for i in (index.setdefault(h, len(index)),) for j in range(k)], 1
+        places = [index.setdefault(h, len(index)) for h in req.hash_ids]
+        return [i * k + j for i in places for j in range(k)], 1
 
     def _looked_up(self, req: TraceRequest) -> Sequence[Any]:
         """The hash ids of the blocks the prompt's lookup can match."""
