@@ -30,6 +30,9 @@ DEFAULT_TURN_EDGES = (2, 5, 20)  # turn 1, 2-4, 5-19, 20+
 UNKNOWN = "u"  # a timing feature of a conversation's first turn (no previous turn)
 FOLDED = "*"  # a feature the controller's finest classes do not distinguish
 TIMING_FEATURES = ("think", "growth", "turn")  # may be UNKNOWN
+# Names a key keeps for its raw buckets (tags and outcomes are bounded
+# upstream; the cache is cleared, never grown, past this).
+_MAX_CACHED_NAMES = 4096
 
 
 def _bucket(edges: tuple, value: float | None) -> Any:
@@ -59,6 +62,10 @@ class FeatureKey:
         object.__setattr__(self, "_index", tuple(FEATURES.index(f) for f in self.features))
         # Computed once: the tagger asks at every release, and a key is called per request.
         object.__setattr__(self, "uses_block_features", any(f in BLOCK_FEATURES for f in self.features))
+        used = tuple(f in self.features for f in FEATURES)
+        object.__setattr__(self, "_used", used)
+        object.__setattr__(self, "_uses_timing", any(f in TIMING_FEATURES for f in self.features))
+        object.__setattr__(self, "_names", {})
 
     def edges(self, feature: str) -> tuple:
         """Bucket edges of a bucketed feature (not ``tag`` or ``outcome``)."""
@@ -98,30 +105,33 @@ class FeatureKey:
 
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
         """``name_of(components(...))``, computing only this key's features
-        (it runs on the engine thread at every release)."""
-        if not self._index:
-            return "all"
-        parts = []
-        for i in self._index:
-            if i == 0:
-                parts.append(request.tag)
-            elif i == 1:
-                parts.append("o:" + (request.outcome or "unknown"))
-            elif i == 2:
-                parts.append("d" + str(bisect_right(self.depth_edges, position)))
-            elif i == 3:
-                parts.append("r" + str(bisect_right(self.reuse_edges, reuse_count)))
-            elif i == 5:
-                parts.append("y" + str(bisect_right(self.reply_edges, request.reply_tokens)))
-            else:
-                t = request.timing
-                if i == 4:
-                    parts.append("k" + str(_bucket(self.think_edges, t.think_s if t is not None else None)))
-                elif i == 6:
-                    parts.append("g" + str(_bucket(self.growth_edges, t.growth if t is not None else None)))
-                else:
-                    parts.append("n" + str(_bucket(self.turn_edges, t.turn if t is not None else None)))
-        return ".".join(parts)
+        (it runs on the engine thread at every release, and per block for a
+        key with block features).
+
+        The used features' raw buckets look the name up in a bounded cache:
+        building it (a string per feature, then a join) cost twice as much
+        as the buckets themselves for the six request features.
+        """
+        tag, outcome, depth, reuse, think, reply, growth, turn = self._used
+        t = request.timing if self._uses_timing else None
+        raw = (
+            request.tag if tag else None,
+            request.outcome if outcome else None,
+            bisect_right(self.depth_edges, position) if depth else None,
+            bisect_right(self.reuse_edges, reuse_count) if reuse else None,
+            _bucket(self.think_edges, None if t is None else t.think_s) if think else None,
+            bisect_right(self.reply_edges, request.reply_tokens) if reply else None,
+            _bucket(self.growth_edges, None if t is None else t.growth) if growth else None,
+            _bucket(self.turn_edges, None if t is None else t.turn) if turn else None,
+        )
+        names = self._names
+        name = names.get(raw)
+        if name is None:
+            name = self.name_of((raw[0], raw[1] or "unknown", *raw[2:]))
+            if len(names) >= _MAX_CACHED_NAMES:
+                names.clear()
+            names[raw] = name
+        return name
 
 
 FINEST = FeatureKey(FEATURES)
