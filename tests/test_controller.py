@@ -978,6 +978,20 @@ def test_feature_key_call_names_the_same_class_as_the_controllers_finest_classes
             assert k(req, pos, reuse) == k.name_of(k.components(req, pos, reuse)), (k.features, req)
 
 
+def test_feature_key_name_cache_is_bounded_and_stays_right_past_its_bound():
+    """The key caches names by raw buckets: many distinct tags clear it,
+    never grow it past its bound, and every name stays the uncached one."""
+    from vllm_wa.controller import features
+
+    key = FeatureKey(("tag", "outcome", "depth"))
+    for i in range(features._MAX_CACHED_NAMES + 500):
+        req = RequestTags("r", f"t{i}", "tool" if i % 2 else None)
+        assert key(req, i, 0) == key.name_of(key.components(req, i, 0))
+        assert len(key._names) <= features._MAX_CACHED_NAMES
+    # Equal keys stay equal (the cache is not part of the key).
+    assert key == FeatureKey(("tag", "outcome", "depth")) and hash(key) == hash(FeatureKey(("tag", "outcome", "depth")))
+
+
 def test_fit_model_families():
     d = SurvivalData()
     for g in [1, 2, 3, 5, 8]:
