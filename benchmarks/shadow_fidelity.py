@@ -73,12 +73,6 @@ class ProbedOnlinePolicy(TunerProbePolicy):
             self.lookups += lookups
             self.requests += 1
 
-    def flush(self) -> None:
-        """Feed the miniature caches the lookups queued since the last refit."""
-        c = self.controller
-        if c is not None:
-            c.process(c.sink.drain())
-
     def predicted(self) -> dict[str, float]:
         assert self.controller is not None and self.hits is not None
         names = self.controller.tuner.names

@@ -84,6 +84,7 @@ def record(job: RecordJob) -> str:
     blocks = resolve_sizes(job.size, trace, eval_start)[0]
     pol = RecordingOnlinePolicy.create(base, trace)
     res = run_one(trace, pol, blocks, replay, eval_start)
+    pol.flush()  # the last refit interval's lookups (no decision follows them)
     assert pol.controller is not None
     tuner = pol.controller.tuner
     doc = {

@@ -78,6 +78,10 @@ def test_record_writes_what_replay_reads(bench, tmp_path, monkeypatch):
     assert doc["names"][0] == LRU and len(doc["rows"]) > 100
     assert all(len(r) == 2 + len(doc["names"]) for r in doc["rows"])
     assert doc["switches"]
+    # Every request is sampled (sample_rate 1): each one is a row, the last
+    # refit interval's too (the replay ends between refits).
+    assert len(doc["rows"]) == len(trace.requests)
+    assert len(doc["rows"]) > doc["decisions"][-1][0]  # rows after the last refit
     path = bench.replay(doc, bench.settings_from(doc, {}))
     assert [(round(sw.time, 3), sw.to_candidate) for sw in path.switches] == [
         (round(s["time"], 3), s["to"]) for s in doc["switches"]

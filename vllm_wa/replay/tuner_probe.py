@@ -56,3 +56,16 @@ class TunerProbePolicy(OnlineWAPolicy):
         tuner.record, tuner.decide = record_tapped, decide_tapped  # type: ignore[method-assign]
         self.on_tap(tuner)
         self._tapped = True
+
+    def flush(self) -> None:
+        """Feed the miniature caches the lookups queued since the last refit.
+
+        A replay ends between refits: without this, the sampled requests of
+        its last refit interval never reach the tuner's evidence (on Mooncake's
+        synthetic trace at 5 %, whose reuse climbs to 96 % at the end, the
+        last 5 s held 572 sampled lookups, 550 of them LRU hits: LRU's recorded
+        rate over the evaluation half read 12.46 % instead of 13.10 %).
+        """
+        c = self.controller
+        if c is not None:
+            c.process(c.sink.drain())
