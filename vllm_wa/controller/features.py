@@ -62,8 +62,7 @@ class FeatureKey:
         object.__setattr__(self, "_index", tuple(FEATURES.index(f) for f in self.features))
         # Computed once: the tagger asks at every release, and a key is called per request.
         object.__setattr__(self, "uses_block_features", any(f in BLOCK_FEATURES for f in self.features))
-        used = tuple(f in self.features for f in FEATURES)
-        object.__setattr__(self, "_used", used)
+        object.__setattr__(self, "_used", tuple(f in self.features for f in FEATURES))
         object.__setattr__(self, "_uses_timing", any(f in TIMING_FEATURES for f in self.features))
         object.__setattr__(self, "_names", {})
 

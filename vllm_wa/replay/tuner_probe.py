@@ -64,7 +64,7 @@ class TunerProbePolicy(OnlineWAPolicy):
         its last refit interval never reach the tuner's evidence (on Mooncake's
         synthetic trace at 5 %, whose reuse climbs to 96 % at the end, the
         last 5 s held 572 sampled lookups, 550 of them LRU hits: LRU's recorded
-        rate over the evaluation half read 12.46 % instead of 13.10 %).
+        rate over the evaluation half read 12.46 % instead of 13.11 %).
         """
         c = self.controller
         if c is not None:
