@@ -152,20 +152,28 @@ def replay(doc: dict[str, Any], settings: TunerSettings, drop: tuple[str, ...] =
     return Path(hits * scale, lru_hits * scale, switches)
 
 
-def settings_from(doc: dict[str, Any], overrides: dict[str, float]) -> TunerSettings:
+def settings_from(doc: dict[str, Any], overrides: dict[str, float | bool]) -> TunerSettings:
     known = {f.name for f in fields(TunerSettings)}
     base = {k: v for k, v in doc["settings"].items() if k in known}
     return TunerSettings(**{**base, **overrides})
 
 
-def parse_overrides(items: list[str]) -> dict[str, float]:
-    known = {f.name for f in fields(TunerSettings)}
-    out: dict[str, float] = {}
+def parse_overrides(items: list[str]) -> dict[str, float | bool]:
+    known = {f.name: f.type for f in fields(TunerSettings)}
+    out: dict[str, float | bool] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in known:
             raise SystemExit(f"--set takes KEY=VALUE with KEY one of {sorted(known)}, got {item!r}")
-        out[key] = float(value)
+        if known[key] in (bool, "bool"):
+            if value.lower() not in ("true", "false"):
+                raise SystemExit(f"--set {key} takes true or false, got {value!r}")
+            out[key] = value.lower() == "true"
+        else:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise SystemExit(f"--set {key} takes a number, got {value!r}") from None
     return out
 
 

@@ -53,7 +53,10 @@ def test_a_lead_is_followed_and_the_score_is_the_running_candidates(bench):
 
 def test_settings_overrides_are_checked(bench):
     assert bench.parse_overrides(["replace_confidence=0.99"]) == {"replace_confidence": 0.99}
-    for bad in ("no_such_knob=1", "margin"):
+    # A switch reads true or false (float("false") would fail, bool("false") would be True).
+    assert bench.parse_overrides(["real_check=false"]) == {"real_check": False}
+    assert bench.parse_overrides(["real_check=True"]) == {"real_check": True}
+    for bad in ("no_such_knob=1", "margin", "real_check=0", "margin=true"):
         with pytest.raises(SystemExit):
             bench.parse_overrides([bad])
 
