@@ -612,6 +612,35 @@ def test_a_deferred_release_takes_its_lookup_stamp_after_a_swap_turned_them_on(c
     assert [stamps[b] for b in list(stamps)[:2]] == [10.0, 10.0]  # the earlier start goes first
 
 
+@pytest.mark.parametrize("stamp", ["free", "lookup"])
+def test_a_block_vllm_unpinned_before_the_release_is_not_filed_again(clock, stamp):
+    """vLLM's ``BlockPool.unpin_blocks`` (sparse attention's page release)
+    frees a block that its request still lists; the release hook must not
+    file it again: re-classed, it sat in one class's list under another's
+    name, and a prefix hit on it (``touch``) raised KeyError in the queue."""
+    m = make_manager(10)
+    pool = m.block_pool
+    if not hasattr(pool, "unpin_blocks"):
+        pytest.skip("this vLLM has no BlockPool.unpin_blocks")
+    h = install_wa_queue(pool, WAParams(stamp=stamp), clock=clock)
+    r = make_request("r", tokens(0, 3, 1), tag="chat")
+    run_prefill(m, r)
+    held = list(m.coordinator.get_blocks("r")[0])
+    page = held[0]
+    clock.advance(1)
+    pool.unpin_blocks([page], lambda b: None)  # free now, still in the request's list
+    filed_as = h.queue.block_class[page.block_id]
+    clock.advance(1)
+    r.status = RequestStatus.FINISHED_STOPPED
+    h.on_free(m, r)  # the release hook, as KVCacheManager.free calls it
+    pool.free_blocks(reversed(held[1:]))  # what vLLM frees: the blocks still held
+    assert h.queue.block_class[page.block_id] == filed_as
+    h.queue.check_invariants()
+    pool.touch([page])  # a prefix hit on the page's content
+    h.queue.check_invariants()
+    assert page.ref_cnt == 1 and pool.get_num_free_blocks() == 10 - 2  # the null block and the page
+
+
 def test_a_block_given_new_content_forgets_the_lookup_of_its_old_content(clock):
     """A long-running request that takes an evicted block mid-decode releases
     it stamped by its own start, not by the later lookup of the content the

@@ -159,8 +159,22 @@ class WAHandle:
             self.tagger.forget(request.request_id)
             return
         tags = self.request_tags(request, finished=True)
+        groups = [_still_held(blocks) for blocks in groups]
         g, others = self._split_groups(manager, groups)
         self.tagger.on_free(tags, groups[g], finished=request.is_finished(), extra_groups=others)
+
+
+def _still_held(blocks: Any) -> Any:
+    """The blocks this release can free: a request's list may hold a block
+    that is free already (vLLM's ``BlockPool.unpin_blocks``, as sparse
+    attention uses it, frees a page its request still lists).  Filed again,
+    such a block would carry another class than the free list it sits in,
+    and a later prefix hit on it would fail in the queue.  vLLM's null block
+    (never in the free queue) keeps its place: positions count from it."""
+    for b in blocks:
+        if not b.ref_cnt and not b.is_null:
+            return [b for b in blocks if b.ref_cnt or b.is_null]
+    return blocks
 
 
 def get_wa_handle(block_pool: Any) -> WAHandle | None:
