@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_wa.controller.checkpoint import Checkpoint, CheckpointError, parse_checkpoint, read_checkpoint
-from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.controller.config import CandidateSpec, ControllerConfig
 from vllm_wa.controller.controller import WAController
 from vllm_wa.controller.features import FINEST
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData
@@ -64,15 +64,133 @@ def saved(tmp_path):
     return c, path, json.loads(path.read_text())
 
 
-def test_round_trip_restores_estimators_params_and_version(saved, tmp_path):
-    c, path, _ = saved
+def test_round_trip_restores_estimators_and_version(saved, tmp_path):
+    c, path, written = saved
     assert c.version >= 2
+    # The file shows what ran, at its version.
+    assert WAParams.from_pr_json(written["params"]).models == c._target()[0].models
     fresh = controller()
     assert fresh.load_checkpoint(str(path))
     assert len(fresh._bank) == len(c._bank)
-    assert fresh.params.models == c.params.models
     # The parameter version continues where it stopped (defect 7's last part).
-    assert fresh.version == c.version and fresh.params.version == c.version
+    assert fresh.version == c.version
+    # The saved params are not run (the tuner starts on LRU), so the
+    # controller reports what the live queue runs until its first refit:
+    # the prior, not the file's params.
+    assert fresh.params.source == "prior" and not fresh.params.models
+    fresh.refit()
+    assert fresh.params.version == c.version + 1
+
+
+def test_a_checkpoint_written_past_the_finest_class_cap_reads_back(monkeypatch, tmp_path):
+    """Past the cap, finest classes fold features (``*``); a key's class
+    over such rows has no class name the engine makes.  It got a model, the
+    model's name went into the checkpoint, and the next start refused the
+    whole file (everything learned lost)."""
+    import vllm_wa.controller.controller as mod
+
+    monkeypatch.setattr(mod, "MAX_FINE_CLASSES", 4)
+    monkeypatch.setattr(mod, "FOLDED_ROOM", 2)
+    clock = [0.0]
+    c = controller(lambda: clock[0])
+    for _ in range(3):
+        clock[0] = feed(c.sink, clock[0])
+        c.refit()
+    assert c.errors == 0 and any("*" in "".join(map(str, comps)) for comps in c._fine)
+    assert c.params.models and not [n for n in c.params.models if "*" in n]
+    path = tmp_path / "folded.json"
+    assert c.save_checkpoint(str(path))
+    fresh = controller(lambda: clock[0])
+    assert fresh.load_checkpoint(str(path))
+    assert len(fresh._bank) == len(c._bank)
+
+
+def _many_tags(c: WAController, n: int, t: float = 0.0) -> None:
+    """``n`` tags, each with four blocks reused a second later."""
+    evs = []
+    for i in range(n):
+        req = RequestTags(f"r{i}", f"t{i}", "stop")
+        hashes = tuple(("b", i, j) for j in range(4))
+        evs += [FreedEvent(EventKind.FREED, t, h, req, j, 0) for j, h in enumerate(hashes)]
+        evs.append(LookupEvent(EventKind.LOOKUP, t + 1.0 + i % 7, f"n{i}", f"t{i}", hashes, ()))
+        t += 0.001
+    c.process(evs)
+
+
+def _two_keys(**kw) -> WAController:
+    cands = (
+        CandidateSpec(("tag",), "exponential", "posterior", 10.0),
+        CandidateSpec(("tag", "outcome"), "exponential", "posterior", 10.0),
+    )
+    cfg = config(candidates=cands, initial="tag+outcome/exp/posterior/L10", min_samples=3, **kw)
+    return WAController(cfg, 200, lambda params, key: None, EventSink(capacity=1 << 16), clock=lambda: 20.0)
+
+
+def test_a_checkpoint_of_many_keys_stays_within_its_class_cap(monkeypatch, tmp_path):
+    """The live queue holds every key's models (the running one's and the
+    others', for blocks freed under them): 30 tags under two keys are 60
+    models, over a cap of 40 that each key's 30 classes are within.  The
+    checkpoint keeps the running candidate's own, so a restart reads it."""
+    import vllm_wa.controller.controller as mod
+
+    monkeypatch.setattr(mod, "CHECKPOINT_MAX_CLASSES", 40)
+    c = _two_keys()
+    _many_tags(c, 30)
+    c.refit()
+    assert c.errors == 0 and len(c.params.models) == 60
+    path = tmp_path / "keys.json"
+    assert c.save_checkpoint(str(path))
+    assert len(WAParams.from_pr_json(json.loads(path.read_text())["params"]).models) == 30
+    fresh = _two_keys()
+    assert fresh.load_checkpoint(str(path))
+    assert len(fresh._bank) == len(c._bank)
+
+
+def test_drift_cuts_are_kept_up_to_the_cap_per_key(monkeypatch, tmp_path):
+    """Two keys whose 30 classes were all cut: 60 cuts, over a cap of 40
+    that bounds each key's.  Capped over all keys, the last 20 were dropped
+    and a restart brought back what their drifts forgot."""
+    import vllm_wa.controller.controller as mod
+
+    monkeypatch.setattr(mod, "CHECKPOINT_MAX_CLASSES", 40)
+    c = _two_keys()
+    for key in c._key_classes:
+        c._drift_of(key).update = lambda name, gaps: True  # every class is cut at its lookup
+    _many_tags(c, 30)
+    path = tmp_path / "cuts.json"
+    assert c.save_checkpoint(str(path))
+    assert len(json.loads(path.read_text())["drift_cuts"]) == 60
+    fresh = _two_keys()
+    assert fresh.load_checkpoint(str(path))
+    for key in c._key_classes:
+        before, after = c._class_data(key, None), fresh._class_data(key, None)
+        assert {n: d.n_events for n, d in before.items()} == {n: d.n_events for n, d in after.items()}, key.name
+    # A file over the cap for one key is refused.
+    data = json.loads(path.read_text())
+    one_key = [e for e in data["drift_cuts"] if e["key"] == ["tag"]]
+    data["drift_cuts"] = one_key + [dict(e, **{"class": e["class"] + "x"}) for e in one_key]
+    with pytest.raises(CheckpointError, match="more than 40 entries"):
+        parse_checkpoint(data, max_classes=40)
+
+
+def test_a_fifo_at_the_checkpoint_path_does_not_block_the_start(tmp_path):
+    """A FIFO passes a size check (0 bytes) and blocks open() until a writer
+    comes: the engine's start hung.  Only a regular file is read."""
+    import threading
+
+    path = tmp_path / "ckpt.json"
+    os.mkfifo(path)
+    result: list[bool] = []
+    reader = threading.Thread(target=lambda: result.append(controller().load_checkpoint(str(path))), daemon=True)
+    reader.start()
+    reader.join(10.0)
+    if reader.is_alive():  # unblock it before failing
+        with open(path, "w"):
+            pass
+        reader.join(5.0)
+    assert result == [False]
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        read_checkpoint(str(tmp_path), max_classes=10)
 
 
 def test_a_restart_keeps_what_the_real_cache_check_found_overstated(saved, tmp_path):

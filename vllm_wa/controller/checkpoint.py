@@ -31,7 +31,10 @@ so without it a restart would bring back what a drift forgot.  A build
 from before this field refuses a file that has it (unknown key) and starts
 from the prior.
 
-The parameter version lives in ``params.version``; a restart continues from it.
+``params`` is what ran when the file was written, as the running candidate
+(or pin) has it, without the other keys' classes the live queue also holds.
+A restart does not apply it (the tuner starts on LRU); the parameter version
+lives in ``params.version``, and a restart continues from it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,13 +171,15 @@ def _overstated(raw: Any) -> tuple[tuple[str, float], ...]:
 
 
 def _drift_cuts(raw: Any, max_cuts: int) -> tuple[tuple[tuple[str, ...], str, SurvivalData], ...]:
-    """Keys (distinct feature names), class names and the counts their drifts forgot."""
+    """Keys (distinct feature names), class names and the counts their drifts
+    forgot: at most ``max_cuts`` per key (a key's classes are unions of finest
+    classes; the keys are subsets of the features, and the file's size bounds
+    the whole)."""
     if not isinstance(raw, list):
         raise CheckpointError("'drift_cuts' must be a list")
-    if len(raw) > max_cuts:
-        raise CheckpointError(f"'drift_cuts' has {len(raw)} entries; at most {max_cuts}")
     out = []
     seen: set[tuple[tuple[str, ...], str]] = set()
+    per_key: dict[tuple[str, ...], int] = {}
     for i, entry in enumerate(raw):
         where = f"drift_cuts[{i}]"
         if not isinstance(entry, dict) or set(entry) != {"key", "class", "data"}:
@@ -191,6 +197,9 @@ def _drift_cuts(raw: Any, max_cuts: int) -> tuple[tuple[tuple[str, ...], str, Su
         if (tuple(key), name) in seen:
             raise CheckpointError(f"{where} repeats a key's class")
         seen.add((tuple(key), name))
+        per_key[tuple(key)] = n = per_key.get(tuple(key), 0) + 1
+        if n > max_cuts:
+            raise CheckpointError(f"'drift_cuts' has more than {max_cuts} entries for the key {key}")
         out.append((tuple(key), name, _survival(entry["data"], where)))
     return tuple(out)
 
@@ -232,7 +241,6 @@ def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
         # A restart continues from it: it must leave room for the swaps to come.
         raise CheckpointError(f"params.version {params.version} leaves no room for new versions (at most {MAX_RESTORED_VERSION})")
     overstated = _overstated(data["overstated"]) if "overstated" in data else ()
-    # A key's classes are unions of finest classes: at most as many cuts per key.
     cuts = _drift_cuts(data["drift_cuts"], max_classes) if "drift_cuts" in data else ()
     return Checkpoint(active, params, tuple(classes), overstated, cuts)
 
@@ -240,10 +248,20 @@ def parse_checkpoint(data: Any, *, max_classes: int) -> Checkpoint:
 def read_checkpoint(path: str, *, max_classes: int) -> Checkpoint | None:
     """The checkpoint at ``path``; None when there is none; :class:`CheckpointError` when unusable."""
     try:
-        size = os.stat(path).st_size
-        if size > MAX_CHECKPOINT_BYTES:
-            raise CheckpointError(f"{size} bytes; a checkpoint is at most {MAX_CHECKPOINT_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:
+        # Non-blocking, and a regular file only: a FIFO (or a device) at the
+        # path would block the engine's start in open() or read().
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError("not a regular file")
+            if st.st_size > MAX_CHECKPOINT_BYTES:
+                raise CheckpointError(f"{st.st_size} bytes; a checkpoint is at most {MAX_CHECKPOINT_BYTES} bytes")
+            f = open(fd, encoding="utf-8")  # noqa: SIM115 - closes the descriptor from here on
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
             text = f.read(MAX_CHECKPOINT_BYTES + 1)
     except FileNotFoundError:
         return None

@@ -51,7 +51,7 @@ from vllm_wa.controller.tuner import LRU, Tuner
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.params import ReuseModel, WAParams, params_changed
-from vllm_wa.workload_classes import OTHER_CLASS, ClassRegistry
+from vllm_wa.workload_classes import OTHER_CLASS, ClassRegistry, is_valid_class_name
 
 logger = logging.getLogger(__name__)
 # Finest classes (one estimator each, about 4 KiB): the default candidates'
@@ -704,7 +704,12 @@ class WAController:
         threshold = self._separation[spec.family]
         models: dict[str, ReuseModel] = {}
         for name, d in classes.items():
-            if d.n_events < self.config.min_samples:
+            # A class whose name holds a folded feature (``*``: finest classes
+            # past the cap, or rows restored from a run that did not read that
+            # feature) is one the engine's key never names: a model for it
+            # would never score a block, and its name is no class name (a
+            # checkpoint holding it would be refused at the next start).
+            if d.n_events < self.config.min_samples or not is_valid_class_name(name):
                 continue
             m = self._model_fit(cand, name).get(d)
             if m is not None and (default is None or separates(m, default, d, threshold)):
@@ -922,10 +927,18 @@ class WAController:
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> bool:
-        """Write a checkpoint (atomically); a failure is counted, never raised."""
+        """Write a checkpoint (atomically); a failure is counted, never raised.
+
+        Its params are what runs, as the candidate (or pin) has them: the
+        other keys' classes the live queue also holds are left out, so they
+        stay within a checkpoint's class cap.  A restart does not run them
+        (it starts on LRU); they carry the version and show what ran.
+        """
+        with self._swap_lock:
+            running = self._target()[0].evolve(version=self.version)
         ckpt = Checkpoint(
             self.active,
-            self.params,
+            running,
             tuple(zip(self._fine, self._bank.rows)),
             # The tuner's findings, then those a restart read and did not apply
             # (the check off, or a candidate not configured now), so they are kept.
@@ -940,18 +953,20 @@ class WAController:
         return True
 
     def _saved_cuts(self) -> tuple[tuple[tuple[str, ...], str, SurvivalData], ...]:
-        """What each key's drifts forgot, per class (at most a checkpoint's worth)."""
+        """What each key's drifts forgot, per class (at most a checkpoint's worth per key)."""
         out = []
         for key, drift in self._drift.items():
             kc, _ = self._classes_of(key)
+            kept = 0
             for name, held in drift.cuts().items():
                 i = kc.index.get(name)
-                if i is None:
+                if i is None or kept == CHECKPOINT_MAX_CLASSES:
                     continue
+                kept += 1
                 # The lookups forgot too: the finest rows' sum less the key's count.
                 lookups = self._bank.sum_groups(kc.rows(i))
                 out.append((key.features, name, SurvivalData(held[0], held[1], max(0.0, lookups - kc.lookups[i]))))
-        return tuple(out[:CHECKPOINT_MAX_CLASSES])
+        return tuple(out)
 
     def load_checkpoint(self, path: str) -> bool:
         """Warm-start from a checkpoint; whatever the file holds, a bad one gives a warning and the prior."""
@@ -995,6 +1010,7 @@ class WAController:
         names = set(self.tuner.names) - {LRU} if self.tuner.settings.real_check else set()
         self.tuner.overstated = {n: v for n, v in ckpt.overstated if n in names}
         self._unapplied_overstated = {n: v for n, v in ckpt.overstated if n not in names}
-        self.params = ckpt.params
+        # The saved params are not applied (the tuner starts on LRU), so
+        # ``params`` stays what the live queue runs; the version continues.
         self.version = max(self.version, ckpt.params.version)
         return True
