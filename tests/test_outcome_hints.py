@@ -26,6 +26,7 @@ def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(m
     class Reporter:
         async def report_now(self, items):
             sent.append(("report", items))
+            return len(items)
 
     async def orig(self, request, raw_request=None):
         sent.append(("request", request.request_id))
@@ -57,6 +58,40 @@ def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(m
     sent.clear()
     asyncio.run(wrapped(serving, ok, None))
     assert sent == [("request", "abc")]
+
+
+def test_a_hint_is_counted_applied_only_when_it_reaches_the_engines(monkeypatch):
+    """A hint under an id no engine remembers (too long) is dropped by the
+    API server, and one under an empty id (an empty X-Request-Id) has no key:
+    neither reaches an engine, so each counts as ignored, not applied."""
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID
+    from vllm_wa.serving import api_side, outcome_hints
+
+    calls = []
+
+    class Engines:
+        class engine_core:
+            @staticmethod
+            async def call_utility_all_async(method, items):
+                calls.append((method, items))
+
+    async def orig(self, request, raw_request=None):
+        return "reply"
+
+    serving = SimpleNamespace(_base_request_id=BaseServing._base_request_id)
+    wrapped = outcome_hints._wrap(orig, outcome_hints.chat_keys)
+    monkeypatch.setattr(api_side, "_REPORTER", api_side.OutcomeReporter(engine_client=Engines(), flush_interval=0.0))
+    req = SimpleNamespace(request_id="abc", vllm_xargs={"wa_outcome": "tool"})
+    for header in ("x" * MAX_LATE_FACT_ID, ""):
+        before = hint_counts()
+        assert asyncio.run(wrapped(serving, req, SimpleNamespace(headers={"X-Request-Id": header}))) == "reply"
+        assert calls == [] and hint_counts() == (before[0], before[1] + 1), repr(header[:8])
+    before = hint_counts()
+    asyncio.run(wrapped(serving, req, None))
+    assert calls == [("wa_expect_outcomes", [["chatcmpl-abc", "tool"]])]
+    assert hint_counts() == (before[0] + 1, before[1])
 
 
 def test_outcome_hints_are_installed_only_with_their_flag(monkeypatch):

@@ -237,6 +237,26 @@ def test_a_late_outcome_reaches_the_request_released_last_under_its_id_and_ids_a
     assert engine_side.wa_get_metrics(core)["long_request_ids"] == 1
 
 
+def test_a_hint_reaches_the_next_call_under_its_id_never_an_earlier_one():
+    """A benchmark hint is sent before its call reaches the engine.  Sent as
+    a late report, it found an earlier call released under the same id (a
+    client reusing ids) and moved that call's blocks, and the hinted call
+    kept its own outcome."""
+    m, h, ewa, core = engine_with_outcome_key(40)
+
+    def serve(rid: str, first_token: int) -> None:
+        r = make_request(rid, list(range(first_token, first_token + 16 * 2 + 1)), tag="agent")
+        run_prefill(m, r)
+        finish(m, r)
+
+    serve("chatcmpl-5-aaaaaaaa", 0)  # an earlier call under the id, released
+    assert engine_side.wa_expect_outcomes(core, [["chatcmpl-5", "tool"], ["x", "bogus"]]) == 1
+    assert ewa.invalid_reports == 1
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 2}  # the earlier call's blocks stay
+    serve("chatcmpl-5-bbbbbbbb", 1000)  # the hinted call
+    assert h.queue.free_blocks_by_class() == {"agent.o:stop": 2, "agent.o:tool": 2}
+
+
 def test_an_outcome_reported_before_the_release_reaches_every_child_of_its_call_only():
     """A benchmark hint arrives before its call reaches the engine: every child
     of that n > 1 call takes it (the first child alone did), a later call that
@@ -248,7 +268,7 @@ def test_an_outcome_reported_before_the_release_reaches_every_child_of_its_call_
         run_prefill(m, r)
         finish(m, r)
 
-    assert engine_side.wa_report_outcomes(core, [["chatcmpl-9", "tool"]]) == 0  # kept, pending
+    assert engine_side.wa_expect_outcomes(core, [["chatcmpl-9", "tool"]]) == 1  # kept, pending
     serve("0_chatcmpl-9-aaaaaaaa", 0)  # one call, n = 3
     serve("1_chatcmpl-9-aaaaaaaa", 1000)
     serve("2_chatcmpl-9-aaaaaaaa", 2000)
@@ -568,3 +588,19 @@ def test_a_vllm_whose_cli_hooks_moved_still_starts_plain():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("plain")
     assert "cannot add the --wa-* options to this vLLM" in out.stderr
+
+
+def test_a_content_length_that_is_not_ascii_digits_is_left_to_the_streams_count():
+    """``"²".isdigit()`` is true and ``int("²")`` raises: behind a server that
+    passes such a header on, a PUT /wa/params failed with an exception."""
+    from vllm_wa.serving.params_api import read_body
+
+    class Req:
+        headers = {"content-length": "\u00b2"}
+
+        async def stream(self):
+            yield b'{"mode": "auto"}'
+
+    assert asyncio.run(read_body(Req(), 100)) == b'{"mode": "auto"}'
+    Req.headers = {"content-length": "500"}  # over the limit: refused before the stream is read
+    assert asyncio.run(read_body(Req(), 100)) is None

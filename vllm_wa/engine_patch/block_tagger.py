@@ -672,6 +672,21 @@ class BlockTagger:
         del self._pending_outcome[key]
         return None
 
+    def expect_outcome(self, request_id: str, outcome: str) -> None:
+        """A fact about the reply of the next call released under ``request_id``.
+
+        For a fact sent before its request (a benchmark outcome hint): kept
+        and applied at that release (:meth:`_take_pending`), never to a
+        release already made under the same id, whose blocks may be another
+        client's (an id reused).  Bounded as :meth:`reclassify`'s pending facts.
+        """
+        if len(request_id) > MAX_LATE_FACT_ID:
+            return
+        self._pending_outcome[request_id] = (outcome, None)
+        self._pending_outcome.move_to_end(request_id)
+        while len(self._pending_outcome) > self._remember:
+            self._pending_outcome.popitem(last=False)
+
     def reclassify(self, request_id: str, outcome: str, *, pending: bool = True) -> int:
         """Record a late fact about a request's reply and refile its free blocks.
 
@@ -688,11 +703,8 @@ class BlockTagger:
             return 0  # no release is remembered under such an id (on_free)
         recs = self._finished.get(request_id)
         if recs is None:
-            if not pending:
-                return 0
-            self._pending_outcome[request_id] = (outcome, None)
-            while len(self._pending_outcome) > self._remember:
-                self._pending_outcome.popitem(last=False)
+            if pending:
+                self.expect_outcome(request_id, outcome)
             return 0
         # The fact is about the request released last under this id: its
         # reply has just ended.  Earlier releases under the same id from other

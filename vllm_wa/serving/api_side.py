@@ -80,11 +80,13 @@ class OutcomeReporter:
         self.reported += n
         api_counters().reports_sent.inc(n)
 
-    async def report_now(self, items: list[list[str]]) -> None:
-        """Send facts at once, not in the next batch: a benchmark outcome hint
-        must reach the engine before its request does (see ``outcome_hints``).
-        At most ``MAX_OUTCOME_REPORTS_PER_CALL`` a call, as the batches (a
-        completion of many prompts has a fact for each)."""
+    async def report_now(self, items: list[list[str]]) -> int:
+        """Send facts about calls not yet made at once, not in the next batch:
+        a benchmark outcome hint must reach the engine before its request
+        does, and applies to the next call released under its id only
+        (``wa_expect_outcomes``; see ``outcome_hints``).  At most
+        ``MAX_OUTCOME_REPORTS_PER_CALL`` a call, as the batches (a completion
+        of many prompts has a fact for each).  Returns the facts sent."""
         usable = [item for item in items if len(item[0]) <= MAX_LATE_FACT_ID]
         if len(usable) < len(items):
             self._drop(len(items) - len(usable), _LONG_ID)
@@ -92,11 +94,12 @@ class OutcomeReporter:
         for start in range(0, len(items), MAX_OUTCOME_REPORTS_PER_CALL):
             chunk = items[start : start + MAX_OUTCOME_REPORTS_PER_CALL]
             try:
-                await call_engines(self.engine_client, "wa_report_outcomes", chunk)
+                await call_engines(self.engine_client, "wa_expect_outcomes", chunk)
             except Exception as e:
                 self._drop(len(items) - start, f"the engines refused a report: {e}")
                 raise
             self._sent(len(chunk))
+        return len(items)
 
     async def run(self) -> None:
         while True:

@@ -181,13 +181,12 @@ def wa_set_params(self: Any, body: dict[str, Any]) -> dict[str, Any]:
             "params_version": ewa.controller.version}
 
 
-def wa_report_outcomes(self: Any, items: list[Any]) -> int:
-    """Late facts from the API server: ``[[external_request_id, outcome], ...]``."""
-    ewa = _engine_wa(self)
-    if ewa is None or not isinstance(items, list):
-        return 0
-    moved = 0
+def _valid_reports(ewa: Any, items: Any) -> list[tuple[str, str]]:
+    """The well-formed ``[external_request_id, outcome]`` items of one call (the rest counted)."""
+    if not isinstance(items, list):
+        return []
     ewa.reports_over_limit += max(0, len(items) - MAX_OUTCOME_REPORTS_PER_CALL)
+    out = []
     for item in items[:MAX_OUTCOME_REPORTS_PER_CALL]:
         if not (
             isinstance(item, (list, tuple))
@@ -198,8 +197,29 @@ def wa_report_outcomes(self: Any, items: list[Any]) -> int:
         ):
             ewa.invalid_reports += 1
             continue
-        moved += ewa.handle.tagger.reclassify(item[0], item[1])
-    return moved
+        out.append((item[0], item[1]))
+    return out
+
+
+def wa_report_outcomes(self: Any, items: list[Any]) -> int:
+    """Late facts from the API server: ``[[external_request_id, outcome], ...]``; the blocks moved."""
+    ewa = _engine_wa(self)
+    if ewa is None:
+        return 0
+    return sum(ewa.handle.tagger.reclassify(rid, outcome) for rid, outcome in _valid_reports(ewa, items))
+
+
+def wa_expect_outcomes(self: Any, items: list[Any]) -> int:
+    """Benchmark outcome hints, sent before their requests: each applies to the
+    next call released under its id, never to an earlier one (``BlockTagger.expect_outcome``).
+    Returns the hints kept."""
+    ewa = _engine_wa(self)
+    if ewa is None:
+        return 0
+    valid = _valid_reports(ewa, items)
+    for rid, outcome in valid:
+        ewa.handle.tagger.expect_outcome(rid, outcome)
+    return len(valid)
 
 
 def wa_get_metrics(self: Any) -> dict[str, Any]:
@@ -356,6 +376,7 @@ _UTILITIES = {
     "wa_get_snapshot": wa_get_snapshot,
     "wa_set_params": wa_set_params,
     "wa_report_outcomes": wa_report_outcomes,
+    "wa_expect_outcomes": wa_expect_outcomes,
 }
 
 

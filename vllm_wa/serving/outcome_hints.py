@@ -10,11 +10,12 @@ therefore sends the outcome the trace recorded in ``vllm_xargs.wa_outcome``
 The server honours it only when started with ``--wa-bench-outcome-hints``
 (a benchmark hook: in production a client could mislabel its own blocks).
 The hint takes the path of the API server's tool-call reports
-(``OutcomeReporter`` -> the engine utility ``wa_report_outcomes`` ->
-``BlockTagger.reclassify``), but is sent *before* the request reaches the
+(``OutcomeReporter`` -> the engine utility ``wa_expect_outcomes`` ->
+``BlockTagger.expect_outcome``), but is sent *before* the request reaches the
 engine: the tagger keeps it as a pending fact and applies it when the request
 finishes and frees its blocks, so the blocks and the controller's events carry
-it from the start.  It never overrides an outcome the engine observed itself
+it from the start.  It never reaches a call released earlier under the same
+id (a client may reuse ids: that call's blocks may be another client's).  It never overrides an outcome the engine observed itself
 other than ``stop``/``length`` (see ``BlockTagger.reclassify``).
 """
 
@@ -77,13 +78,14 @@ def _wrap(orig: Any, keys_of: Any) -> Any:
             rid = getattr(request, "request_id", None)
             base = self._base_request_id(raw_request, rid if isinstance(rid, str) else "")
             keys = keys_of(base, request) if base else []
-            if keys:
-                try:
-                    await reporter.report_now([[k, hint] for k in keys])
-                    api_counters().hints_applied.inc()
-                except Exception as e:  # noqa: BLE001 - a hint must never fail the request
-                    api_counters().hints_ignored.inc()
-                    logger.debug("vllm-wa: outcome hint not delivered: %s", e)
+            sent = 0
+            try:
+                # Counted as applied only when it reached the engines: an id
+                # too long to remember, or none at all, leaves nothing to send.
+                sent = await reporter.report_now([[k, hint] for k in keys]) if keys else 0
+            except Exception as e:  # noqa: BLE001 - a hint must never fail the request
+                logger.debug("vllm-wa: outcome hint not delivered: %s", e)
+            (api_counters().hints_applied if sent else api_counters().hints_ignored).inc()
         return await orig(self, request, *args, **kwargs)
 
     setattr(create, _MARK, orig)

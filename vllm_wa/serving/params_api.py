@@ -50,7 +50,9 @@ def api_key_ok(request: Request) -> bool:
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The body, or None as soon as it is known to exceed ``limit`` bytes."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    # ASCII digits only: "²".isdigit() is true and int("²") raises.  (Any
+    # other header is left to the stream's count below.)
+    if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
         return None
     chunks: list[bytes] = []
     size = 0
