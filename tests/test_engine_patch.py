@@ -240,7 +240,9 @@ def test_tags_from_sampling_params_become_block_classes(clock):
     assert h.tagger.tag_counters.missing >= 1
 
 
-@pytest.mark.parametrize("bad", [17, "x" * 65, "text 1", "täg", "", ["text_1"]])
+# "chat.o:stop": a tag holding the separators of class names would be named
+# as another key names tag "chat" with outcome "stop".
+@pytest.mark.parametrize("bad", [17, "x" * 65, "text 1", "täg", "", ["text_1"], "chat.o:stop", "a:b"])
 def test_bad_tags_go_to_invalid_and_are_counted(bad, clock):
     m = make_manager(10)
     h = install_wa_queue(m.block_pool, clock=clock)

@@ -38,6 +38,11 @@ MAX_TAG_LENGTH = 64
 # A class name joins a tag and bucketed features (``agent_1.o:length.d2.r1``).
 MAX_CLASS_NAME_LENGTH = 128
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+# A tag leaves out ``.`` and ``:``, which join a class name's parts: a tag
+# ``chat.o:stop`` would be named as the tag-and-outcome key names tag
+# ``chat`` with outcome ``stop``, and the live queue, which holds every
+# key's models, would score one with the other's.
+_TAG_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass
@@ -55,11 +60,11 @@ def is_reserved(name: str) -> bool:
 
 
 def is_valid_tag(tag: Any) -> bool:
-    """A client tag: a short string of ``[A-Za-z0-9_.:-]``, not a reserved name."""
+    """A client tag: a short string of ``[A-Za-z0-9_-]``, not a reserved name."""
     return (
         isinstance(tag, str)
         and 0 < len(tag) <= MAX_TAG_LENGTH
-        and _NAME_RE.fullmatch(tag) is not None
+        and _TAG_RE.fullmatch(tag) is not None
         and not is_reserved(tag)
     )
 
