@@ -1498,3 +1498,60 @@ def test_a_refit_at_a_clock_that_reads_nan_changes_nothing_and_is_counted():
     now[0] = good + 1.0
     c.refit()
     assert c.errors == 1 and len(c.tracker.watch) == watched
+
+
+def test_an_event_whose_time_is_not_finite_is_skipped_and_counted_not_the_batch():
+    """One LOOKUP at NaN (or inf) time raised in the tuner's batching: the
+    refit failed, and the rest of the drained batch was lost uncounted."""
+    def run(bad_times):
+        sink = EventSink(capacity=100000)
+        clock = [0.0]
+        c = WAController(small_config(), 200, Applied(), sink, clock=lambda: clock[0])
+        t = feed(sink, 0.0)
+        for bad in bad_times:
+            sink.emit(LookupEvent(EventKind.LOOKUP, bad, f"x{bad}", "tool", (("z", 1),), ()))
+        clock[0] = feed(sink, t)
+        c.refit()
+        return c
+
+    clean, dirty = run(()), run((math.nan, math.inf, -math.inf))
+    assert dirty.errors == 0 and dirty.refits == 1
+    assert dirty.events_bad_time == 3 and clean.events_bad_time == 0
+    assert dirty.events_processed == clean.events_processed + 3
+    assert dirty.tracker.reuses == clean.tracker.reuses > 0
+    assert dirty.state()["events_bad_time"] == 3
+    assert dirty.tuner.state(math.nan)["window_rates"] == {}
+
+
+def test_a_repeated_lookup_of_a_request_one_miniature_cache_holds_pins_nothing_for_good():
+    """LRU's miniature cache could not fit R, the candidate's could; R's
+    finish was lost and the engine looked it up again.  Only LRU's cache was
+    asked whether R was held, so the candidate's admitted R a second time, and
+    the first admission's blocks stayed pinned after every request finished."""
+    spec = CandidateSpec(("tag",), "exponential", "posterior", 10.0)
+    cfg = small_config(candidates=(spec,), initial="lru", shadow_blocks=6, sample_rate=1.0)
+    c = WAController(cfg, 6, Applied(), EventSink(capacity=1 << 16), clock=lambda: 0.0)
+    lru, cand = c.candidates["lru"].shadow, c.candidates[spec.name].shadow
+    cand.set_params(WAParams(
+        models={"keep": ReuseModel.exponential(0.99, 1.0), "drop": ReuseModel.exponential(0.01, 1e-4)},
+        default=ReuseModel.exponential(0.5, 0.01), horizon=10.0,
+    ))
+
+    def look(t, rid, tag, hashes):
+        return LookupEvent(EventKind.LOOKUP, t, rid, tag, tuple(hashes), ())
+
+    def done(t, rid, tag):
+        return FinishedEvent(EventKind.FINISHED, t, rid, RequestTags(rid, tag, "stop"))
+
+    c.process([look(1, "A", "keep", ["p"]), done(2, "A", "keep"),
+               look(3, "B", "drop", ["d1", "d2"]), done(4, "B", "drop"),
+               look(5, "Q", "drop", ["k1", "k2", "k3"]),
+               look(6, "R", "keep", ["p", "k1", "k2", "k3"])])
+    assert not lru.cache.holds("R") and cand.cache.holds("R")  # the caches disagree
+    c.process([look(7, "R", "keep", ["p", "k1", "k2", "k3"]), done(8, "R", "keep"), done(9, "Q", "drop")])
+
+    def pinned(shadow):
+        pool = shadow.cache.pool
+        return sum(1 for b in pool.blocks if b.ref_cnt > 0 and b is not pool.null_block)
+
+    assert pinned(lru) == 0 and pinned(cand) == 0

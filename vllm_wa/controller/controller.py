@@ -252,6 +252,9 @@ class WAController:
         self.last_swap: float | None = None
         self.refit_seconds = 0.0
         self.events_processed = 0
+        # Events whose time is NaN or infinite: skipped, not applied (one in a
+        # drained batch failed the refit, and the rest of the batch was lost).
+        self.events_bad_time = 0
         self.drift_events: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
@@ -457,7 +460,11 @@ class WAController:
         shadows = self._shadows
         record = self.tuner.record
         evicted = 0
+        isfinite = math.isfinite
         for ev in events:
+            if not isfinite(ev.time):
+                self.events_bad_time += 1
+                continue
             kind = ev.kind
             if kind == EventKind.FREED:
                 comps = self._finest(ev.request, ev.position, ev.reuse_count)
@@ -475,13 +482,19 @@ class WAController:
                 if self._found:
                     self._count_lookup(self._found, ev.time)
                 hs, real = self._shadow_hashes(ev)
-                if hs and not shadows[0].cache.holds(ev.request_id):
+                # A repeated lookup (a preemption, a lost finish) of a request
+                # any miniature cache still holds is skipped in all of them:
+                # admitted again where it was held, its first admission's
+                # blocks would stay pinned for good.  (Whether a cache holds it
+                # differs where one of them could not fit it.)
+                rid = ev.request_id
+                if hs and not any(s.cache.holds(rid) for s in shadows):
                     # The same sampled request in every miniature cache: paired
                     # evidence. While pinned the real cache runs the pin, not
                     # the tuner's candidate: its hits check nothing.
                     if self.pinned is not None:
                         real = None
-                    record(ev.time, len(hs), [s.lookup(ev.request_id, ev.tag, hs, ev.time) for s in shadows], real)
+                    record(ev.time, len(hs), [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows], real)
             elif kind == EventKind.FINISHED:
                 for s in shadows:
                     s.finish(ev.request_id, ev.request, ev.time)
@@ -894,6 +907,7 @@ class WAController:
             "last_checkpoint_error": self.checkpoint_failures.last_error,
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
+            "events_bad_time": self.events_bad_time,
             "events_dropped": self.sink.dropped,
             "finest_classes": self.finest_classes,
             "finest_classes_retired": self.finest_retired,

@@ -88,7 +88,7 @@ class ShadowCache:
     def lookup(self, request_id: str, tag: str, hashes: list[Any], t: float) -> int:
         """A prompt (its sampled block hashes) arrives; returns its hit blocks.
 
-        The caller skips repeated lookups of a request that is still held.
+        The caller skips repeated lookups of a request any miniature cache still holds.
         """
         self.clock.t = t
         cache = self.cache

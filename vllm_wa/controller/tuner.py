@@ -569,7 +569,8 @@ class Tuner:
         return sw
 
     def state(self, now: float) -> dict[str, Any]:
-        rates = self.hits.rates(now - self.settings.window_s)
+        # A clock that reads NaN (state may be asked for before any refit) has no window.
+        rates = self.hits.rates(now - self.settings.window_s) if math.isfinite(now) else {}
         return {
             "active": self.active,
             "promotions": self.promotions,
