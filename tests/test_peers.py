@@ -709,6 +709,16 @@ def test_served_engine_holds_the_replys_kv_and_keys_its_full_blocks(tmp_path):
     assert blocks == held[:4] and all(b.block_hash is not None for b in blocks)
 
 
+def test_a_served_trace_replays_on_vllms_manager_whichever_engine_is_asked(tmp_path):
+    """The fast pool caches a prompt's partly filled last block and holds no
+    reply slots, so on a served trace (the default engine) it read hits the
+    server could not have had."""
+    trace = served_result(tmp_path / "served.json", n_conv=2, turns=3)
+    fast = sweep(prepare(trace, ["lru"], replay_config(ReplayConfig(engine="fast"))), ["lru"], [12], jobs=1)[0]
+    on_vllm = sweep(prepare(trace, ["lru"], replay_config(ReplayConfig(engine="vllm"))), ["lru"], [12], jobs=1)[0]
+    assert fast.hit_tokens == on_vllm.hit_tokens > 0
+
+
 def test_peers_on_a_served_trace_index_only_the_blocks_vllm_caches(tmp_path):
     """Reply slots and partly filled blocks go through the peers too; no key outlives its block."""
     trace = served_result(tmp_path / "served.json")

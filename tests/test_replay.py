@@ -71,6 +71,26 @@ def test_bailian_loader_classes_and_conversations(tmp_path):
     assert list(tr.requests[1].hash_ids) == [1, 2, 3, 4]
 
 
+def test_bailian_types_a_tag_does_not_take_become_distinct_tags(tmp_path):
+    """A type such as ``image/url`` made an invalid tag: every such type
+    shared the one ``invalid`` class, and nothing said so."""
+    from vllm_wa.workload_classes import is_valid_tag
+
+    p = tmp_path / "types.jsonl"
+    types = ["image/url", "text chat", "a.b:c", "x" * 80]
+    p.write_text("\n".join(bailian_line(chat=i, ts=float(i), typ=t) for i, t in enumerate(types)) + "\n")
+    tags = [r.tag for r in load_trace(str(p)).requests]
+    assert tags == ["image_url_1", "text_chat_1", "a_b_c_1", "x" * 48 + "_1"]
+    assert all(is_valid_tag(t) for t in tags)
+
+
+def test_a_huge_integer_on_the_first_line_is_an_error_naming_the_file(tmp_path):
+    p = tmp_path / "digits.jsonl"
+    p.write_text('{"timestamp": ' + "9" * 5000 + "}\n")
+    with pytest.raises(TraceFormatError, match="digits.jsonl"):
+        load_trace(str(p))
+
+
 @pytest.mark.parametrize(
     "bad, msg",
     [
@@ -80,6 +100,8 @@ def test_bailian_loader_classes_and_conversations(tmp_path):
         (bailian_line(ts=-1), "timestamp"),
         (bailian_line(typ=""), "type"),
         (bailian_line(hashes=("a", 2, 3)), "integers"),
+        (bailian_line(hashes=(1, 2, 1 << 63)), "below 2\\*\\*63"),
+        (bailian_line(chat=-5), "chat_id"),
         ("[1, 2]", "object"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -33,6 +34,24 @@ def test_a_parse_is_reused_until_the_parser_changes(parses, monkeypatch):
     assert len(parses) == 1 and len(again.requests) == len(first.requests)
     monkeypatch.setattr(trace_cache, "_parser_digest", lambda: "another loader")
     trace_cache.load_trace_cached(MOONCAKE)
+    assert len(parses) == 2
+
+
+def test_a_copy_that_keeps_size_and_mtime_is_parsed_again(parses, tmp_path):
+    """``cp -p``, ``rsync -t`` and ``tar x`` keep a file's mtime: a same-size
+    replacement was given the old file's parse."""
+    path = tmp_path / "t.jsonl"
+    rec = {"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}
+    path.write_text(json.dumps(rec) + "\n")
+    first = trace_cache.load_trace_cached(str(path))
+    st = os.stat(path)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(rec | {"hash_ids": [2]}) + "\n")
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, path)
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    again = trace_cache.load_trace_cached(str(path))
+    assert list(first.requests[0].hash_ids) == [1] and list(again.requests[0].hash_ids) == [2]
     assert len(parses) == 2
 
 

@@ -43,6 +43,8 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 # ``chat`` with outcome ``stop``, and the live queue, which holds every
 # key's models, would score one with the other's.
 _TAG_RE = re.compile(r"[A-Za-z0-9_-]+")
+# A character a tag does not take (a trace's label is made into a tag with it).
+NOT_IN_TAG = re.compile(r"[^A-Za-z0-9_-]")
 
 
 @dataclass

@@ -25,12 +25,15 @@ from vllm_wa.replay.records import NAMESPACE, float_field, hash_ids, int_field, 
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.validation import check_number, short_repr
+from vllm_wa.workload_classes import MAX_TAG_LENGTH, NOT_IN_TAG
 
 FORMATS = ("bailian", "mooncake", "agentic", "served")
 BAILIAN_BLOCK = 16
 MOONCAKE_BLOCK = 512
 # Bailian turns are bucketed so classes stay bounded: 1, 2, 3, then "4" = 4+.
 BAILIAN_MAX_TURN = 4
+# Room for "_<turn>" in a tag's MAX_TAG_LENGTH characters.
+_MAX_TYPE_LENGTH = MAX_TAG_LENGTH - 16
 _OUTCOMES = {"tool_use": "tool", "end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}
 
 
@@ -125,7 +128,7 @@ def detect_format(path: str) -> str:
         raise TraceFormatError(path, "the file starts with no record (empty, or a blank first line); pass --format")
     try:
         rec = json.loads(first)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: a JSON error, or an integer past Python's digit limit
         if path.endswith(".json"):
             return "agentic"
         raise TraceFormatError(path, f"line 1 is not a JSON record ({e}); pass --format (with --skip-bad to read past it)") from None
@@ -309,6 +312,14 @@ def _conversation_roots(parent_of: dict[int, int]) -> dict[int, int]:
     return roots
 
 
+def bailian_type(typ: str) -> str:
+    """A record's ``type`` as a tag's first part: characters a tag does not
+    take become ``_``, and it is cut to leave room for the turn.  (A type
+    such as ``image/url`` or ``text chat`` would otherwise make an invalid
+    tag, and every such type would share the one ``invalid`` class.)"""
+    return NOT_IN_TAG.sub("_", typ)[:_MAX_TYPE_LENGTH]
+
+
 def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     """Aliyun Bailian traces (``alibaba-edu/qwen-bailian-usagetraces-anon``).
 
@@ -323,7 +334,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     for lineno, line in _json_lines(path):
         try:
             rec = _json_record(line)
-            chat = int_field(rec, "chat_id", lo=-(1 << 62))
+            chat = int_field(rec, "chat_id", lo=0)
             parent = int_field(rec, "parent_chat_id", lo=-1)
             ts = float_field(rec, "timestamp")
             n_in = token_field(rec, "input_length", lo=1)
@@ -353,7 +364,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
                 hash_ids=hashes,
                 input_tokens=n_in,
                 output_tokens=n_out,
-                tag=f"{typ}_{min(max(turn, 1), BAILIAN_MAX_TURN)}",
+                tag=f"{bailian_type(typ)}_{min(max(turn, 1), BAILIAN_MAX_TURN)}",
             )
         )
     roots = _conversation_roots(parent_of)

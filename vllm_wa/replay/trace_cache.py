@@ -62,6 +62,10 @@ def _key(path: str, fmt: str | None, skip_bad: bool, agentic: AgenticOptions | N
         os.path.abspath(path),
         st.st_size,
         st.st_mtime_ns,
+        # A copy that keeps the mtime (cp -p, rsync -t, tar x) has the same
+        # size and mtime; its inode or change time differs (ctime cannot be set).
+        st.st_ino,
+        st.st_ctime_ns,
         fmt,
         skip_bad,
         asdict(agentic) if agentic else None,
