@@ -33,6 +33,7 @@ ENGINE_COUNTERS = {
     "errors": ("vllm_wa_controller_errors", "Controller refits that failed (last good parameters kept)."),
     "checkpoint_errors": ("vllm_wa_checkpoint_errors", "Checkpoint writes that failed."),
     "events_dropped": ("vllm_wa_events_dropped", "Engine events dropped because the event sink was full."),
+    "events_bad_time": ("vllm_wa_events_bad_time", "Engine events the controller skipped: their time was NaN or infinite."),
     "finest_classes_retired": (
         "vllm_wa_finest_classes_retired",
         "Controller finest classes (feature-bucket combinations) given back after going unused for class_retire_s.",
