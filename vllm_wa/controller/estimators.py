@@ -24,8 +24,8 @@ from vllm_wa.controller.class_drift import LookupDrift
 from vllm_wa.controller.survival import (
     NUM_BINS,
     SurvivalData,
-    fit_exponential,
-    fit_hyperexponential,
+    exponential_em,
+    hyperexponential_em,
 )
 from vllm_wa.params import ReuseModel
 
@@ -206,7 +206,9 @@ class ModelFit:
     Forgetting scales every count alike, which leaves the maximum-likelihood
     fit unchanged, so a class is refitted only when the shape of its
     observations (the normalised bins) moved by more than ``tolerance`` in
-    total variation since the last fit.
+    total variation since the last fit, or when the last fit stopped at its
+    EM step cap: it then goes on from there at the next call (a fit stopped
+    far from the answer was kept while the shape held still).
     """
 
     family: str = "hyperexponential"
@@ -227,21 +229,21 @@ class ModelFit:
         shape = np.concatenate((data.events, data.censored)) / size
         if self._shape is not None and 0.5 * float(np.abs(shape - self._shape).sum()) <= self.tolerance:
             return self.model
-        self._shape = shape
-        self.model = self._fit(data)
+        self.model, converged = self._fit(data)
+        self._shape = shape if converged else None
         return self.model
 
-    def _fit(self, data: SurvivalData) -> ReuseModel | None:
+    def _fit(self, data: SurvivalData) -> tuple[ReuseModel | None, bool]:
         if self.family == "exponential":
-            p, a = fit_exponential(data, init=self._exponential)
+            p, a, converged = exponential_em(data, init=self._exponential)
             if p <= 0 or a <= 0 or not (math.isfinite(p) and math.isfinite(a)):
-                return None
+                return None, True
             self._exponential = (p, a)
-            return ReuseModel.exponential(min(1.0, p), a)
-        model, w = fit_hyperexponential(data, init=self._hyper)
+            return ReuseModel.exponential(min(1.0, p), a), converged
+        model, w, converged = hyperexponential_em(data, init=self._hyper)
         if w is not None:
             self._hyper = w
-        return model
+        return model, converged
 
 
 def fit_model(data: SurvivalData, family: str) -> ReuseModel | None:
