@@ -12,9 +12,9 @@ import pytest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 
+from vllm_wa.controller.checkpoint import read_checkpoint
 from vllm_wa.controller.class_drift import ClassDrift, LookupDrift
 from vllm_wa.controller.config import CandidateSpec, ConfigError, ControllerConfig
-from vllm_wa.controller.checkpoint import read_checkpoint
 from vllm_wa.controller.controller import CHECKPOINT_MAX_CLASSES, WAController, start_online
 from vllm_wa.controller.estimators import ReuseEstimator, SurvivalBank, fit_model, forgetting_factor, pooled
 from vllm_wa.controller.features import FEATURES, FOLDED, FeatureKey
@@ -1577,7 +1577,7 @@ def test_a_fit_stopped_at_its_em_step_cap_goes_on_at_the_next_call():
         data.add_event(300.0)
     for _ in range(2000):
         data.add_censored(5.0)
-    p, a, converged = exponential_em(data)
+    p, _, converged = exponential_em(data)
     assert p < 0.7 and not converged
     a_mle = data.n_events / float(data.events @ _MIDS + data.censored @ _MIDS)
     fit = ModelFit("exponential")

@@ -596,11 +596,12 @@ def test_a_content_length_that_is_not_ascii_digits_is_left_to_the_streams_count(
     from vllm_wa.serving.params_api import read_body
 
     class Req:
-        headers = {"content-length": "\u00b2"}
+        def __init__(self, length: str) -> None:
+            self.headers = {"content-length": length}
 
         async def stream(self):
             yield b'{"mode": "auto"}'
 
-    assert asyncio.run(read_body(Req(), 100)) == b'{"mode": "auto"}'
-    Req.headers = {"content-length": "500"}  # over the limit: refused before the stream is read
-    assert asyncio.run(read_body(Req(), 100)) is None
+    assert asyncio.run(read_body(Req("\u00b2"), 100)) == b'{"mode": "auto"}'
+    # Over the limit: refused before the stream is read.
+    assert asyncio.run(read_body(Req("500"), 100)) is None
