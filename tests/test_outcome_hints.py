@@ -24,7 +24,7 @@ def test_outcome_hint_is_reported_before_the_request_and_bad_hints_are_ignored(m
     sent = []
 
     class Reporter:
-        async def report_now(self, items):
+        async def send_hints(self, items):
             sent.append(("report", items))
             return len(items)
 

@@ -131,7 +131,7 @@ def test_lost_outcome_reports_are_counted(monkeypatch):
     assert report_counts() == (before[0], before[1] + 3)
     # A benchmark hint sent at once, refused: lost too, and the caller hears of it.
     with pytest.raises(RuntimeError):
-        asyncio.run(reporter.report_now([["chatcmpl-x", "tool"]]))
+        asyncio.run(reporter.send_hints([["chatcmpl-x", "tool"]]))
     assert reporter.dropped == 4 and report_counts() == (before[0], before[1] + 4)
 
 
@@ -156,7 +156,7 @@ def test_reports_go_to_the_engines_in_calls_they_apply_whole(monkeypatch):
     assert report_counts() == (before[0] + 7, before[1])
     # Sent at once (a benchmark hint for a completion of many prompts): the same limit.
     calls.clear()
-    asyncio.run(reporter.report_now([[f"cmpl-x-{i}", "tool"] for i in range(8)]))
+    asyncio.run(reporter.send_hints([[f"cmpl-x-{i}", "tool"] for i in range(8)]))
     assert calls == [3, 3, 2] and reporter.reported == 15
 
 
@@ -178,7 +178,7 @@ def test_outcome_reports_under_ids_no_engine_remembers_are_dropped_in_the_api_se
     reporter.report(long_id, "tool")
     reporter.report("chatcmpl-ok", "tool")
     assert reporter.dropped == 1 and [rid for rid, _ in reporter._pending] == ["chatcmpl-ok"]
-    asyncio.run(reporter.report_now([[long_id, "tool"], ["cmpl-ok", "tool"]]))
+    asyncio.run(reporter.send_hints([[long_id, "tool"], ["cmpl-ok", "tool"]]))
     assert calls == [["cmpl-ok"]] and reporter.dropped == 2
     assert report_counts() == (before[0] + 1, before[1] + 2)
 

@@ -42,9 +42,10 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 # ``chat.o:stop`` would be named as the tag-and-outcome key names tag
 # ``chat`` with outcome ``stop``, and the live queue, which holds every
 # key's models, would score one with the other's.
-_TAG_RE = re.compile(r"[A-Za-z0-9_-]+")
+_TAG_CHARS = "A-Za-z0-9_-"
+_TAG_RE = re.compile(f"[{_TAG_CHARS}]+")
 # A character a tag does not take (a trace's label is made into a tag with it).
-NOT_IN_TAG = re.compile(r"[^A-Za-z0-9_-]")
+NOT_IN_TAG = re.compile(f"[^{_TAG_CHARS}]")
 
 
 @dataclass

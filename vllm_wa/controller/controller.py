@@ -976,8 +976,10 @@ class WAController:
             kc, _ = self._classes_of(key)
             kept = 0
             for name, held in drift.cuts().items():
+                if kept == CHECKPOINT_MAX_CLASSES:
+                    break
                 i = kc.index.get(name)
-                if i is None or kept == CHECKPOINT_MAX_CLASSES:
+                if i is None:
                     continue
                 kept += 1
                 # The lookups forgot too: the finest rows' sum less the key's count.

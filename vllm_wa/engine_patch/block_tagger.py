@@ -678,7 +678,8 @@ class BlockTagger:
         For a fact sent before its request (a benchmark outcome hint): kept
         and applied at that release (:meth:`_take_pending`), never to a
         release already made under the same id, whose blocks may be another
-        client's (an id reused).  Bounded as :meth:`reclassify`'s pending facts.
+        client's (an id reused).  At most as many pending facts are kept as
+        releases are remembered, the oldest dropped first.
         """
         if len(request_id) > MAX_LATE_FACT_ID:
             return

@@ -72,4 +72,3 @@ def make_engine(kind: str, trace: Trace, policy: ReplayPolicy, num_blocks: int, 
     if kind == "fast":
         return FastEngine(trace, policy, num_blocks, clock)
     return VLLMEngine(trace, policy, num_blocks, clock)
-    raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINES}")

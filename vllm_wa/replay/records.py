@@ -58,7 +58,7 @@ def hash_ids(rec: dict, key: str = "hash_ids", offset: int = 0, blocks_for: tupl
     except TypeError as e:
         raise ValueError(f"field {key!r} must hold integers: {e}") from None
     except OverflowError:
-        raise ValueError(f"field {key!r} holds an id of 2**63 or more (block ids must be below 2**63)") from None
+        raise ValueError(f"field {key!r} holds an id outside the 64-bit range (block ids must be below 2**63)") from None
     if any(x is True or x is False for x in v):  # array("q") takes booleans as 1 and 0
         raise ValueError(f"field {key!r} must hold integers, not booleans")
     if min(out) < 0:

@@ -47,7 +47,7 @@ _SNAPSHOTS: EngineSnapshots | None = None
 # ---- reply outcomes ------------------------------------------------------------------------------
 
 
-# Why a report under an over-long id is dropped (in report and report_now).
+# Why a report under an over-long id is dropped (in report and send_hints).
 _LONG_ID = f"a request id is longer than {MAX_LATE_FACT_ID} characters"
 
 
@@ -80,7 +80,7 @@ class OutcomeReporter:
         self.reported += n
         api_counters().reports_sent.inc(n)
 
-    async def report_now(self, items: list[list[str]]) -> int:
+    async def send_hints(self, items: list[list[str]]) -> int:
         """Send facts about calls not yet made at once, not in the next batch:
         a benchmark outcome hint must reach the engine before its request
         does, and applies to the next call released under its id only

@@ -9,14 +9,14 @@ therefore sends the outcome the trace recorded in ``vllm_xargs.wa_outcome``
 
 The server honours it only when started with ``--wa-bench-outcome-hints``
 (a benchmark hook: in production a client could mislabel its own blocks).
-The hint takes the path of the API server's tool-call reports
-(``OutcomeReporter`` -> the engine utility ``wa_expect_outcomes`` ->
-``BlockTagger.expect_outcome``), but is sent *before* the request reaches the
-engine: the tagger keeps it as a pending fact and applies it when the request
-finishes and frees its blocks, so the blocks and the controller's events carry
-it from the start.  It never reaches a call released earlier under the same
-id (a client may reuse ids: that call's blocks may be another client's).  It never overrides an outcome the engine observed itself
-other than ``stop``/``length`` (see ``BlockTagger.reclassify``).
+The hint is sent *before* the request reaches the engine
+(``OutcomeReporter.send_hints`` -> the engine utility ``wa_expect_outcomes``
+-> ``BlockTagger.expect_outcome``): the tagger keeps it as a pending fact and
+applies it when the request finishes and frees its blocks, so the blocks and
+the controller's events carry it from the start.  It never reaches a call
+released earlier under the same id (a client may reuse ids: that call's
+blocks may be another client's).  It never overrides an outcome the engine
+observed itself other than ``stop``/``length`` (see ``BlockTagger.reclassify``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _wrap(orig: Any, keys_of: Any) -> Any:
             try:
                 # Counted as applied only when it reached the engines: an id
                 # too long to remember, or none at all, leaves nothing to send.
-                sent = await reporter.report_now([[k, hint] for k in keys]) if keys else 0
+                sent = await reporter.send_hints([[k, hint] for k in keys]) if keys else 0
             except Exception as e:  # noqa: BLE001 - a hint must never fail the request
                 logger.debug("vllm-wa: outcome hint not delivered: %s", e)
             (api_counters().hints_applied if sent else api_counters().hints_ignored).inc()
