@@ -18,9 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
-import numpy as np
-
 from vllm_wa.fileio import READ_ERRORS, opener_for
+from vllm_wa.replay.block_chains import chain_block_ids
 from vllm_wa.replay.records import NAMESPACE, float_field, hash_ids, int_field, token_field
 from vllm_wa.replay.served import is_served_result, load_served
 from vllm_wa.replay.trace import Trace, TraceRequest
@@ -171,10 +170,7 @@ def load_trace(
             trace = load_served(path, skip_bad=skip_bad)
         except (*READ_ERRORS, ValueError, RecursionError) as e:
             raise TraceFormatError(path, f"not a readable bench-serve result: {e}") from None
-        kept, dropped = _drop_broken_chains(trace.requests, path, skip_bad)
-        if dropped:
-            trace = trace.with_requests(kept)
-            trace.skipped_lines += dropped
+        note_chained_ids(trace)
     else:
         raise TraceFormatError(path, f"unknown format {fmt!r}; expected one of {FORMATS}")
     return cut_trace(trace, cut) if cut is not None else trace
@@ -224,68 +220,22 @@ def _json_record(line: bytes | None) -> dict:
     return rec
 
 
-def broken_chains(reqs: list[TraceRequest]) -> np.ndarray:
-    """Indexes of the requests whose hash ids break the prefix rule.
-
-    A block id names a prefix: wherever it appears, the same id precedes it
-    (none for a prompt's first block), so no id repeats within a prompt.
-    Every policy and both engines rely on it (a hit in the middle of a prompt
-    would hold a block twice); every real trace at hand keeps it (the agentic
-    split's 2.6 M ids, Mooncake's 183 k). An id's predecessor is the one most
-    of its appearances give (ties: the smallest); a request that gives it
-    another one breaks the rule, so one bad record cannot condemn every good
-    one after it.
-    """
-    if not reqs:
-        return np.zeros(0, dtype=np.intp)
-    lens = np.fromiter((len(r.hash_ids) for r in reqs), dtype=np.int64, count=len(reqs))
-    flat = np.concatenate([np.frombuffer(r.hash_ids, dtype=np.int64) for r in reqs])
-    _, first, dense = np.unique(flat, return_index=True, return_inverse=True)
-    pred = np.empty_like(dense)
-    pred[1:] = dense[:-1]
-    pred[np.cumsum(lens) - lens] = -1
-    bad = pred[first][dense] != pred
-    if bad.any():
-        # Some id has two predecessors: take the majority's as the truth.
-        n = len(first)
-        pairs, counts = np.unique(dense.astype(np.int64) * (n + 1) + (pred + 1), return_counts=True)
-        ids, preds = pairs // (n + 1), pairs % (n + 1) - 1
-        order = np.lexsort((-counts, ids))  # per id, the most frequent predecessor first
-        top = order[np.r_[True, ids[order][1:] != ids[order][:-1]]]
-        majority = np.empty(n, dtype=np.int64)
-        majority[ids[top]] = preds[top]
-        bad = majority[dense] != pred
-    return np.unique(np.repeat(np.arange(len(reqs)), lens)[bad])
-
-
-def _finish(
-    name: str, block_size: int, fmt: str, reqs: list[TraceRequest], skipped: int, path: str, skip_bad: bool = False
-) -> Trace:
+def _finish(name: str, block_size: int, fmt: str, reqs: list[TraceRequest], skipped: int, path: str) -> Trace:
     if not reqs:
         raise TraceFormatError(path, "no usable requests")
     reqs.sort(key=lambda r: r.arrival)
-    reqs, dropped = _drop_broken_chains(reqs, path, skip_bad)
-    return Trace(name, block_size, reqs, fmt, skipped_lines=skipped + dropped)
+    trace = Trace(name, block_size, reqs, fmt, skipped_lines=skipped)
+    note_chained_ids(trace)
+    return trace
 
 
-def _drop_broken_chains(reqs: list[TraceRequest], path: str, skip_bad: bool) -> tuple[list[TraceRequest], int]:
-    """``reqs`` less those that break the prefix rule (:func:`broken_chains`),
-    and how many: an error naming the first one unless ``skip_bad``."""
-    dropped = 0
-    while len(bad := broken_chains(reqs)):
-        if not skip_bad:
-            r = reqs[int(bad[0])]
-            raise TraceFormatError.record(
-                path,
-                f"request {r.request_id} (at {r.arrival:g} s) breaks the prefix rule: one of its hash ids "
-                "repeats in it or follows another id than most of its appearances do",
-            )
-        drop = set(bad.tolist())
-        reqs = [r for i, r in enumerate(reqs) if i not in drop]
-        dropped += len(drop)
-        if not reqs:
-            raise TraceFormatError(path, "no usable requests")
-    return reqs, dropped
+def note_chained_ids(trace: Trace) -> None:
+    """Chain the trace's block ids (:func:`chain_block_ids`), noting how many requests that renamed."""
+    if changed := chain_block_ids(trace.requests):
+        trace.notes.append(
+            f"{changed} requests list a block id after another prefix than its first appearance "
+            "(ids hashed per block, as in Bailian traces): read as other blocks, as vLLM's chained hashes are"
+        )
 
 
 def _conversation_roots(parent_of: dict[int, int]) -> dict[int, int]:
@@ -370,7 +320,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     roots = _conversation_roots(parent_of)
     for r in reqs:
         r.conversation = roots[int(r.request_id)]
-    trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path, skip_bad)
+    trace = _finish(os.path.basename(path), BAILIAN_BLOCK, "bailian", reqs, skipped, path)
     trace.synthetic = synthetic
     trace.conversations = True
     return trace
@@ -403,7 +353,7 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
                 output_tokens=n_out,
             )
         )
-    return _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path, skip_bad)
+    return _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path)
 
 
 # ---- agentic-coding conversations -----------------------------------------------------------
@@ -588,7 +538,7 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
                 continue
             raise TraceFormatError.record(where, str(e)) from None
         reqs.extend(part)
-    trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path, skip_bad)
+    trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path)
     trace.conversations = True
     kept = len({r.conversation for r in trace.requests})
     trace.notes.append(

@@ -14,7 +14,7 @@ from typing import Any
 from vllm_wa import fileio, validation
 from vllm_wa.bench import results
 from vllm_wa.fileio import atomic_write
-from vllm_wa.replay import lifetime, loaders, records, served
+from vllm_wa.replay import block_chains, lifetime, loaders, records, served
 from vllm_wa.replay import trace as trace_module
 from vllm_wa.replay.loaders import AgenticOptions, check_trace_path, load_trace
 from vllm_wa.replay.trace import Trace
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 3
 # Parsed traces kept, most recently used first (the agentic split's is 340 MB).
 MAX_ENTRIES = 8
-_PARSERS = (loaders, records, trace_module, served, results, lifetime, token_ids, validation, fileio)
+_PARSERS = (loaders, block_chains, records, trace_module, served, results, lifetime, token_ids, validation, fileio)
 
 
 @functools.cache
