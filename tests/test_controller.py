@@ -1308,6 +1308,28 @@ def test_a_drift_detector_takes_odd_gaps_without_failing():
     assert drift.drifts >= 1
 
 
+def test_a_request_the_running_candidates_miniature_cache_cannot_fit_is_left_out_of_the_real_cache_check():
+    """A prompt larger than the miniature cache: it predicts no hit, while
+    the real lookup counted the hits it found before the real cache refused
+    the request too.  Counted, it read the real cache 10 points above the
+    prediction on 1,000 requests of Mooncake's arXiv trace at 142 blocks
+    (24.62 against 15.17); left out, the two agree.  A request that fits is
+    still checked."""
+    sink = EventSink(capacity=1 << 16)
+    c = WAController(small_config(initial="lru"), 8, Applied(), sink, clock=lambda: 50.0)
+    assert c.shadow_blocks == 8  # every block sampled
+    big = tuple(("b", i) for i in range(20))
+    sink.emit(LookupEvent(EventKind.LOOKUP, 1.0, "big", "chat", big, (), 5))
+    sink.emit(FinishedEvent(EventKind.FINISHED, 1.0, "big", None))
+    small = tuple(("s", i) for i in range(4))
+    sink.emit(LookupEvent(EventKind.LOOKUP, 2.0, "small", "chat", small, (), 0))
+    c.refit()
+    assert c.candidates["lru"].shadow.overflow == 1
+    totals = c.tuner.calibration.totals["lru"]
+    assert (totals.requests, totals.lookups, totals.real, totals.predicted) == (1, 4, 0, 0)
+    assert all(cand.shadow.cache.holds("small") for cand in c.candidates.values())
+
+
 def test_a_pin_or_an_unpin_restarts_the_real_cache_checks_turnover():
     """The real-cache check waits for a turnover after anything changes what
     the real cache runs: a tuner switch, and also an operator's pin and unpin

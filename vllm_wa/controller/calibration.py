@@ -13,6 +13,10 @@ between prediction and the real cache moves when the running candidate
 changes: a candidate whose real hit rate falls further below its
 prediction than LRU's did is one the miniature caches misjudge
 (docs/benchmarks.md, "Miniature-cache fidelity").
+
+A request the running candidate's miniature cache cannot fit is not checked
+(the controller leaves it out): that cache predicts no hit, while the real
+lookup counted the hits it found before the real cache refused it too.
 """
 
 from __future__ import annotations

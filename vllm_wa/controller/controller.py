@@ -494,7 +494,17 @@ class WAController:
                     # the tuner's candidate: its hits check nothing.
                     if self.pinned is not None:
                         real = None
-                    record(ev.time, len(hs), [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows], real)
+                    running = self.candidates[self.tuner.active].shadow
+                    refused = running.overflow
+                    hits = [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows]
+                    if running.overflow != refused:
+                        # The running candidate's miniature cache could not fit
+                        # the request, so it predicts no hit, while the real
+                        # lookup counted the hits it found before the real cache
+                        # refused the request too (a replay counts them as
+                        # misses) or kept it waiting: nothing to check there.
+                        real = None
+                    record(ev.time, len(hs), hits, real)
             elif kind == EventKind.FINISHED:
                 for s in shadows:
                     s.finish(ev.request_id, ev.request, ev.time)
