@@ -14,9 +14,12 @@ changes: a candidate whose real hit rate falls further below its
 prediction than LRU's did is one the miniature caches misjudge
 (docs/benchmarks.md, "Miniature-cache fidelity").
 
-A request the running candidate's miniature cache cannot fit is not checked
-(the controller leaves it out): that cache predicts no hit, while the real
-lookup counted the hits it found before the real cache refused it too.
+Only requests that fitted both caches are checked: one the miniature cache
+could not fit is predicted no hit there, while the real lookup counted the
+hits it found before the real cache refused it too; one the real cache
+refused (it leaves holding no blocks) but a sampled miniature cache fitted
+hits blocks there the real cache never held, and is taken back
+(:meth:`Calibration.retract`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ class CalibrationTotals:
         }
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """Where :meth:`Calibration.update` added one request, for :meth:`Calibration.retract`."""
+
+    batch: CalibrationTotals
+    total: CalibrationTotals
+    row: tuple[int, int, int, int]  # lookups, real, predicted, lru
+
+
 @dataclass
 class Calibration:
     """River-style: :meth:`update` once per sampled request, :meth:`get` the summary.
@@ -74,8 +86,8 @@ class Calibration:
         self._batches: deque[tuple[float, str, CalibrationTotals]] = deque()
         self.totals: dict[str, CalibrationTotals] = {}
 
-    def update(self, t: float, running: str, lookups: int, real: int, predicted: int, lru: int) -> None:
-        """One sampled request while ``running`` ran in the real cache."""
+    def update(self, t: float, running: str, lookups: int, real: int, predicted: int, lru: int) -> CheckedRequest:
+        """One sampled request while ``running`` ran in the real cache; what :meth:`retract` takes back."""
         start = t - t % self.batch_s
         last = self._batches[-1] if self._batches else None
         if last is None or last[0] != start or last[1] != running:
@@ -83,8 +95,18 @@ class Calibration:
             self._batches.append(last)
             while self._batches and self._batches[0][0] < start - self.window_s:
                 self._batches.popleft()
-        last[2].add(lookups, real, predicted, lru)
-        self.totals.setdefault(running, CalibrationTotals()).add(lookups, real, predicted, lru)
+        row = (lookups, real, predicted, lru)
+        last[2].add(*row)
+        total = self.totals.setdefault(running, CalibrationTotals())
+        total.add(*row)
+        return CheckedRequest(last[2], total, row)
+
+    @staticmethod
+    def retract(checked: CheckedRequest) -> None:
+        """Take back a request found later not to have fitted the real cache."""
+        lookups, real, predicted, lru = checked.row
+        for totals in (checked.batch, checked.total):
+            totals.add(-lookups, -real, -predicted, -lru, requests=-1)
 
     def window(self, now: float) -> dict[str, CalibrationTotals]:
         """Each candidate that ran in the last ``window_s``: its sums over that time."""

@@ -169,7 +169,7 @@ from scipy.stats import norm
 from scipy.stats import t as student_t
 
 from vllm_wa.controller.batch_stats import Comparison, batch_lead
-from vllm_wa.controller.calibration import Calibration
+from vllm_wa.controller.calibration import Calibration, CheckedRequest
 
 LRU = "lru"
 
@@ -359,14 +359,20 @@ class Tuner:
         self._short_min_requests = math.ceil(s.full_window_min_requests * s.short_window_s / s.window_s)
         self._z_short = float(norm.ppf(s.short_window_confidence))
 
-    def record(self, t: float, lookups: int, hits: list[int], real: int | None = None) -> None:
+    def record(self, t: float, lookups: int, hits: list[int], real: int | None = None) -> CheckedRequest | None:
         """One sampled request: its sampled blocks, each candidate's hit blocks
         and, when known, the real cache's (checked against the running
-        candidate's prediction: :mod:`.calibration`)."""
+        candidate's prediction: :mod:`.calibration`; the check is returned,
+        for :meth:`retract_real`)."""
         self.hits.add(t, lookups, hits)
-        if real is not None:
-            index = self.hits.index
-            self.calibration.update(t, self.active, lookups, real, int(hits[index[self.active]]), int(hits[index[LRU]]))
+        if real is None:
+            return None
+        index = self.hits.index
+        return self.calibration.update(t, self.active, lookups, real, int(hits[index[self.active]]), int(hits[index[LRU]]))
+
+    def retract_real(self, checked: CheckedRequest) -> None:
+        """Take back a request's real-cache check: the real cache did not fit it."""
+        self.calibration.retract(checked)
 
     def evicted(self, t: float, blocks: int) -> None:
         """The real cache evicted ``blocks`` sampled blocks, the last at ``t``.
