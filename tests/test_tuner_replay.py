@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from vllm_wa.cli import sample_path
+from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.replay.loaders import load_trace
 from vllm_wa.replay.no_signal import CACHE_BLOCKS, no_signal_trace, small_trace_controller
 from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, run_one
+from vllm_wa.replay.tuner_probe import TunerProbePolicy
 
 
 def test_on_a_trace_no_feature_predicts_the_tuner_stays_on_lru():
@@ -59,3 +61,21 @@ def test_on_real_requests_too_large_for_a_small_cache_the_real_cache_check_reads
     on_lru = policy.controller.tuner.calibration.totals["lru"]
     assert policy.controller.candidates["lru"].shadow.overflow > 200
     assert on_lru.requests > 400 and on_lru.real == on_lru.lru == on_lru.predicted > 0
+
+
+def test_a_tapped_tuner_checks_the_real_cache_as_the_untapped_one():
+    """The benchmarks' tap on ``Tuner.record`` (``TunerProbePolicy``) passes
+    the real-cache check back to the controller, which takes it back when
+    the real cache refuses the request: with a quarter of the blocks sampled
+    on the real sample, where the miniature caches fit requests the real
+    cache refuses, both runs check the same requests."""
+    trace = load_trace(sample_path("mooncake-arxiv-sample.jsonl.xz"))
+    config = ControllerConfig(shadow_blocks=36)
+    cfg = ReplayConfig(controller_config=config)
+    setup = prepare(trace, ["wa-online"], cfg)
+    totals = []
+    for policy in (make_policy("wa-online", setup), TunerProbePolicy.create(config, setup.trace)):
+        run_one(setup.trace, policy, 142, cfg, setup.eval_start)
+        assert policy.controller.sink.sample_rate < 0.3
+        totals.append(policy.controller.tuner.calibration.totals["lru"])
+    assert totals[0] == totals[1] and totals[0].requests > 300

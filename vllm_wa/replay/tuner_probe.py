@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_wa.controller.calibration import CheckedRequest
 from vllm_wa.controller.tuner import Switch, Tuner
 from vllm_wa.replay.online_policy import OnlineWAPolicy
 
@@ -45,9 +46,10 @@ class TunerProbePolicy(OnlineWAPolicy):
     def _tap(self, tuner: Tuner) -> None:
         record, decide = tuner.record, tuner.decide
 
-        def record_tapped(t: float, lookups: int, hits: list[int], real: int | None = None) -> None:
-            record(t, lookups, hits, real)
+        def record_tapped(t: float, lookups: int, hits: list[int], real: int | None = None) -> CheckedRequest | None:
+            checked = record(t, lookups, hits, real)
             self.on_record(t, lookups, hits, real)
+            return checked  # the controller takes it back if the real cache refuses the request
 
         def decide_tapped(t: float) -> Switch | None:
             self.on_decide(t)
