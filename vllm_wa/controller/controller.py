@@ -498,10 +498,8 @@ class WAController:
                     # the tuner's candidate: its hits check nothing.
                     if self.pinned is not None:
                         real = None
-                    running = self.candidates[self.tuner.active].shadow
-                    refused = running.overflow
                     hits = [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows]
-                    if running.overflow != refused:
+                    if not self.candidates[self.tuner.active].shadow.cache.holds(rid):
                         real = None  # the miniature cache could not fit it: see _hold_real_check
                     checked = record(ev.time, len(hs), hits, real)
                     if checked is not None:
