@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from array import array
 
 import pytest
@@ -656,6 +657,21 @@ def test_cli_rejects_bad_peer_settings(spec, msg, capsys):
     with pytest.raises(SystemExit, match=msg):
         policies = "lru,tlru,ttl-tool,arc" + (",slru" if spec == "slru=2.5" else "")
         cli_main(["replay", MOONCAKE, "--policies", policies, "--peer-settings", spec, "--no-cache"])
+
+
+def test_cli_says_how_to_run_tunable_peers_on_a_trace_with_no_profile_half(tmp_path, capsys):
+    """Every request at one time: the profile half is empty, so the knobs cannot be tuned."""
+    trace = tmp_path / "same_time.jsonl"
+    rows = [{"chat_id": i, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 32, "output_length": 4,
+             "type": "text", "turn": 1, "hash_ids": [1, 2 + i]} for i in range(6)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = cli_main(["replay", str(trace), "--policies", "lru,slru", "--cache-blocks", "4", "--no-cache", "--jobs", "1"])
+    assert rc == 2
+    assert re.search("has 0 request.*--peer-settings.*--profile-fraction 0", capsys.readouterr().err)
+    rc = cli_main(["replay", str(trace), "--policies", "lru,slru", "--cache-blocks", "4", "--no-cache", "--jobs", "1",
+                   "--profile-fraction", "0"])
+    assert rc == 0
+    assert "protected_threshold=2 (default)" in capsys.readouterr().out
 
 
 # ---- a served trace through vLLM's manager ---------------------------------------------------------

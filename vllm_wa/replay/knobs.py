@@ -65,7 +65,10 @@ def profile_setup(setup: SweepSetup) -> SweepSetup:
     """The profile half as a replay of its own, scored after its own profile fraction."""
     part = setup.trace.until(setup.eval_start)
     if len(part.requests) < 2:
-        raise ValueError("the profile half has fewer than 2 requests: cannot tune peer knobs")
+        raise ValueError(
+            f"the profile half has {len(part.requests)} request(s), too few to tune peer knobs on: "
+            "fix them with --peer-settings, or pass --profile-fraction 0 to run them at their defaults"
+        )
     return replace(setup, trace=part, eval_start=part.eval_start(setup.cfg.profile_fraction))
 
 
