@@ -631,6 +631,36 @@ def test_the_real_cache_check_demotes_a_candidate_its_miniature_cache_overstates
     assert [sw.reason for sw in faithful.switches] == ["promote"] and faithful.active == WA
 
 
+def test_a_real_cache_check_on_a_candidate_its_miniature_cache_did_not_overstate_is_undone_as_a_demotion():
+    """WA's miniature cache leads LRU's by 5 points throughout; its real cache
+    beats that prediction by 5 points for 800 s after the promotion, then
+    trails it by 10 for a stretch (an excursion, not a fault: over its run the
+    real cache read more than predicted). The real-cache check sends the
+    cache back to LRU in the stretch; with nothing overstated there is no
+    discount, and WA comes back as a demoted candidate does, on fewer batches
+    than the promotion bar (min_batches since the demotion) needs."""
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(3)
+    t, dip = 0.0, math.inf
+    while t < 3600.0 and tuner.promotions < 2:
+        for _ in range(10):
+            u = [rng.random() for _ in range(8)]
+            if tuner.active == WA and tuner.promotions == 1:
+                if dip == math.inf and t - tuner.active_since >= 800.0:
+                    dip = t
+                p_real = 0.35 + (0.05 if t < dip else -0.10)
+            else:
+                p_real = 0.35 if tuner.active == WA else 0.30
+            tuner.record(t, 8, [sum(x < 0.30 for x in u), sum(x < 0.35 for x in u)], sum(x < p_real for x in u))
+            t += 0.5
+        tuner.decide(t)
+    reasons = [(sw.reason, sw.to_candidate) for sw in tuner.switches]
+    assert reasons == [("promote", WA), ("real-check", LRU), ("promote", WA)]
+    assert tuner.real_check_demotions == 1 and tuner.overstated[WA] == 0.0
+    assert dip < tuner.switches[1].time <= dip + SETTINGS.demote_window_s
+    assert tuner.switches[2].batches < SETTINGS.min_batches
+
+
 def run_with_transition(turnover: float, transition_s: float, seconds: float = 3600.0) -> Tuner:
     """As :func:`run_with_real_cache`, with a real cache that trails WA's
     prediction by 8 points for ``transition_s`` after each switch to WA (it
