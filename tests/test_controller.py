@@ -961,6 +961,32 @@ def test_feature_key_names_and_buckets():
         FeatureKey(("color",))
 
 
+def test_a_key_without_the_tag_never_names_a_class_as_a_tag_could_be_named():
+    """The live queue holds every candidate key's models at once, so a class
+    of one key must not share its name with a tag of the tag key: before, the
+    reuse key alone named its first bucket ``r0``, a valid tag."""
+    from vllm_wa.engine_patch.block_tagger import RequestTags
+    from vllm_wa.engine_patch.conversations import TurnTiming
+    from vllm_wa.workload_classes import is_valid_tag
+
+    timings = (None, TurnTiming(1, 0, 1, None, None), TurnTiming(1, 0, 7, 45.0, 0.3), TurnTiming(1, 0, 30, 4000.0, 2.0))
+    keys = [FeatureKey((f,)) for f in FEATURES if f != "tag"] + [FeatureKey(())]
+    for key in keys:
+        names = set()
+        for timing in timings:
+            for reply in (0, 300, 5000):
+                for position, reuse in ((0, 0), (100, 1), (5000, 9)):
+                    req = RequestTags("r", "r0", "tool", reply, timing)
+                    names.add(key(req, position, reuse))
+                    assert key.name_of(key.components(req, position, reuse)) == key(req, position, reuse)
+        assert names and not any(is_valid_tag(n) for n in names), (key.name, names)
+    assert FeatureKey(("reuse",))(RequestTags("r", "chat"), 0, 0) == ":r0"
+    assert FeatureKey(())(RequestTags("r", "chat"), 0, 0) == ":all"
+    # Names that already hold a separator keep their form.
+    assert FeatureKey(("depth", "reuse"))(RequestTags("r", "chat"), 0, 0) == "d0.r0"
+    assert FeatureKey(("tag", "reuse"))(RequestTags("r", "r0"), 0, 0) == "r0.r0"
+
+
 def test_feature_key_call_names_the_same_class_as_the_controllers_finest_classes():
     """The engine's fast path (``key(...)``) and the controller's pooling
     (``name_of(components(...))``) must agree, or a class's data and its blocks part."""

@@ -820,9 +820,8 @@ class WAController:
 
         Blocks freed under an earlier class key keep their class until they
         leave the queue; class names of different keys do not collide (a tag
-        holds no ``.`` or ``:``, the separators of a name's parts; only a key
-        of one block or timing feature alone, named like ``r0``, could meet a
-        tag of that name, and no default candidate is one), so
+        holds no ``.`` or ``:``, the separators of a name's parts, and a key
+        without the tag always names with one: ``FeatureKey.name_of``), so
         adding every other key's current models keeps those blocks scored by
         what was learned about them instead of by the default model.  A
         candidate of the same key (another family or horizon) adds nothing:

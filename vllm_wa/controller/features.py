@@ -97,10 +97,17 @@ class FeatureKey:
 
         The tag stands alone (so the tag-only key gives PR-compatible names);
         other features carry a prefix, so names of different keys never
-        collide (``tool`` the tag vs ``o:tool`` the outcome).
+        collide (``tool`` the tag vs ``o:tool`` the outcome).  A key without
+        the tag whose name would still read as a tag (one block or timing
+        feature, ``r0``, or none, ``all``) gets a leading ``:``, which no
+        tag holds: the live queue holds every key's models at once, and a
+        tag ``r0`` must not be scored by the reuse key's model.
         """
         parts = [_PREFIX[FEATURES[i]] + str(comps[i]) for i in self._index]
-        return ".".join(parts) if parts else "all"
+        name = ".".join(parts) if parts else "all"
+        if not self._used[0] and "." not in name and ":" not in name:
+            name = ":" + name
+        return name
 
     def __call__(self, request: Any, position: int, reuse_count: int) -> str:
         """``name_of(components(...))``, computing only this key's features
