@@ -661,6 +661,75 @@ def test_a_real_cache_check_on_a_candidate_its_miniature_cache_did_not_overstate
     assert tuner.switches[2].batches < SETTINGS.min_batches
 
 
+def run_long_then_dip(p_real_over_run) -> tuple[Tuner, dict[str, int]]:
+    """WA's miniature cache leads LRU's by 5 points; while WA runs, the real
+    cache hits at ``p_real_over_run(seconds since the promotion)``. Runs to
+    the first real-cache demotion, and sums what the check counted."""
+    tuner = Tuner([LRU, WA], SETTINGS)
+    rng = random.Random(0)
+    t = 0.0
+    counted = {"lookups": 0, "predicted": 0, "real": 0}
+    while t < 6000.0 and tuner.real_check_demotions == 0:
+        for _ in range(10):
+            u = [rng.random() for _ in range(8)]
+            p_real = p_real_over_run(t - tuner.active_since) if tuner.active == WA else 0.30
+            hits = [sum(x < 0.30 for x in u), sum(x < 0.35 for x in u)]
+            real = sum(x < p_real for x in u)
+            if tuner.active == WA and t >= tuner.real_check_since:
+                counted["lookups"] += 8
+                counted["predicted"] += hits[1]
+                counted["real"] += real
+            tuner.record(t, 8, hits, real)
+            t += 0.5
+        tuner.decide(t)
+    assert [(sw.reason, sw.to_candidate) for sw in tuner.switches] == [("promote", WA), ("real-check", LRU)]
+    return tuner, counted
+
+
+def test_what_a_miniature_cache_overstated_is_judged_over_the_candidates_whole_run():
+    """The reinstatement rule and the discount read the candidate's whole run
+    since the check counted, not the calibration's last window: before, a
+    candidate whose real cache beat its prediction for 3,000 s and then dipped
+    was judged on the dip alone (overstated by 1.5 points, no way back), and
+    one overstated by 2 points for 3,000 s that then beat its prediction for
+    600 s before a dip was judged not overstated and came back 65 s later."""
+    beat_then_dip, counted = run_long_then_dip(lambda ran: 0.36 if ran < 3000.0 else 0.27)
+    whole_run = (counted["predicted"] - counted["real"]) / counted["lookups"]
+    assert whole_run < 0.0
+    assert beat_then_dip.switches[1].time - beat_then_dip.switches[0].time > 3000.0
+    assert beat_then_dip.overstated[WA] == 0.0 and beat_then_dip.reinstatable == WA
+
+    over_then_dip, counted = run_long_then_dip(lambda ran: 0.33 if ran < 3000.0 else 0.40 if ran < 3600.0 else 0.26)
+    whole_run = (counted["predicted"] - counted["real"]) / counted["lookups"]
+    assert whole_run > 0.01
+    assert over_then_dip.overstated[WA] == pytest.approx(whole_run, abs=1e-9)
+    assert over_then_dip.reinstatable is None
+
+
+def test_a_batch_whose_every_real_cache_check_was_taken_back_is_no_batch():
+    """One check in the first batch, taken back (the real cache refused the
+    request), then two batches where the real cache trails LRU's miniature
+    cache by 30 points: two batches of evidence are fewer than the check's
+    three, as if the taken-back check had never been recorded."""
+
+    def run_checks(first: str) -> tuple[int, Switch | None]:
+        tuner = Tuner([LRU, WA], SETTINGS, initial=WA)
+        rng = random.Random(1)
+        if first != "none":
+            checked = tuner.record(1.0, 8, [4, 4], 0)
+            if first == "taken back":
+                tuner.retract_real(checked)
+        for t in range(30, 90):
+            u = [rng.random() for _ in range(8)]
+            tuner.record(float(t), 8, [sum(x < 0.5 for x in u)] * 2, sum(x < 0.2 for x in u))
+        return tuner.calibration.lead_over_real(tuner.real_check_since, WA).batches, tuner.decide(89.0)
+
+    assert run_checks("none") == (2, None)
+    assert run_checks("taken back") == (2, None)
+    batches, switch = run_checks("kept")  # the check stands: three batches, and the real cache trails
+    assert batches == 3 and switch is not None and switch.reason == "real-check"
+
+
 def run_with_transition(turnover: float, transition_s: float, seconds: float = 3600.0) -> Tuner:
     """As :func:`run_with_real_cache`, with a real cache that trails WA's
     prediction by 8 points for ``transition_s`` after each switch to WA (it

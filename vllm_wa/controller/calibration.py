@@ -75,8 +75,11 @@ class Calibration:
     """River-style: :meth:`update` once per sampled request, :meth:`get` the summary.
 
     Keeps ``window_s`` of ``batch_s`` batches (a batch holds one running
-    candidate) and totals per candidate since the start; both are bounded
-    (the window by its batches, the totals by the candidate set).
+    candidate), totals per candidate since the start, and the sums of the
+    batches the window has dropped since the check began to count for the
+    running candidate (:meth:`count_from`), so :meth:`overstatement` covers
+    its whole run however long; all are bounded (the window by its batches,
+    the totals by the candidate set).
     """
 
     window_s: float = 900.0
@@ -85,6 +88,14 @@ class Calibration:
     def __post_init__(self) -> None:
         self._batches: deque[tuple[float, str, CalibrationTotals]] = deque()
         self.totals: dict[str, CalibrationTotals] = {}
+        # (running candidate, when the check began to count for it, the sums
+        # of its batches from then that the window has dropped); None: the
+        # check does not count now.
+        self._run: tuple[str, float, CalibrationTotals] | None = None
+
+    def count_from(self, since: float, running: str) -> None:
+        """The real-cache check counts for ``running`` from ``since`` (inf: not yet)."""
+        self._run = None if since == math.inf else (running, since, CalibrationTotals())
 
     def update(self, t: float, running: str, lookups: int, real: int, predicted: int, lru: int) -> CheckedRequest:
         """One sampled request while ``running`` ran in the real cache; what :meth:`retract` takes back."""
@@ -94,12 +105,21 @@ class Calibration:
             last = (start, running, CalibrationTotals())
             self._batches.append(last)
             while self._batches and self._batches[0][0] < start - self.window_s:
-                self._batches.popleft()
+                self._keep_in_run(*self._batches.popleft())
         row = (lookups, real, predicted, lru)
         last[2].add(*row)
         total = self.totals.setdefault(running, CalibrationTotals())
         total.add(*row)
         return CheckedRequest(last[2], total, row)
+
+    def _keep_in_run(self, start: float, running: str, b: CalibrationTotals) -> None:
+        """A batch leaves the window: its sums stay in the run's, if it is the run's."""
+        run = self._run
+        if run is not None and running == run[0] and start >= self._batch_start(run[1]):
+            run[2].add(b.lookups, b.real, b.predicted, b.lru, b.requests)
+
+    def _batch_start(self, t: float) -> float:
+        return t - t % self.batch_s if math.isfinite(t) else t
 
     @staticmethod
     def retract(checked: CheckedRequest) -> None:
@@ -119,8 +139,10 @@ class Calibration:
     def _since(self, since: float, running: str) -> list[CalibrationTotals]:
         # The batch holding ``since`` counts, as in the tuner's comparisons; a
         # batch holds one running candidate, so a switch inside it splits it.
-        first = since - since % self.batch_s if math.isfinite(since) else since
-        return [b for start, name, b in self._batches if start >= first and name == running]
+        # A batch whose every check was taken back (retract) holds nothing and
+        # is no batch: counted, it would pass the three-batch minimum early.
+        first = self._batch_start(since)
+        return [b for start, name, b in self._batches if start >= first and name == running and b.requests > 0]
 
     def lead_over_real(self, since: float, running: str) -> Comparison:
         """LRU's miniature cache's hit-rate lead over the real cache while
@@ -130,9 +152,14 @@ class Calibration:
         rows = self._since(since, running)
         return batch_lead([b.lookups for b in rows], [b.lru - b.real for b in rows], sum(b.requests for b in rows))
 
-    def overstatement(self, since: float, running: str) -> float:
-        """How far ``running``'s miniature cache over-predicted the real cache from ``since``."""
-        rows = self._since(since, running)
+    def overstatement(self, running: str) -> float:
+        """How far ``running``'s miniature cache over-predicted the real cache
+        since the check began to count for it (:meth:`count_from`), over the
+        whole run, not only the window (0 when the check does not count)."""
+        run = self._run
+        if run is None or run[0] != running:
+            return 0.0
+        rows = [run[2], *self._since(run[1], running)]
         n = sum(b.lookups for b in rows)
         return sum(b.predicted - b.real for b in rows) / n if n else 0.0
 

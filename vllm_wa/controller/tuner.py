@@ -341,6 +341,7 @@ class Tuner:
         # When the real-cache check starts to count for the running candidate
         # (inf: not yet; see evicted), and the sampled evictions since the switch.
         self.real_check_since = -math.inf
+        self.calibration.count_from(self.real_check_since, self.active)
         self._evicted_since_switch = 0
         self._turnover_blocks = s.real_check_turnover * self.sampled_cache_blocks
         self.evidence_since = {n: -math.inf for n in self.names}
@@ -398,11 +399,13 @@ class Tuner:
         self._evicted_since_switch += blocks
         if self._evicted_since_switch >= self._turnover_blocks:
             self.real_check_since = t
+            self.calibration.count_from(t, self.active)
 
     def restart_real_check(self, now: float) -> None:
         """What the real cache runs changed at ``now``: the check waits for a turnover again."""
         self._evicted_since_switch = 0
         self.real_check_since = now if self._turnover_blocks <= 0 else math.inf
+        self.calibration.count_from(self.real_check_since, self.active)
 
     def _promotion(self, now: float) -> tuple[str, Comparison, float] | None:
         s = self.settings
@@ -495,7 +498,7 @@ class Tuner:
             if reason == "real-check":
                 self.real_check_demotions += 1
                 # Its miniature cache overstates it: later leads are discounted by as much.
-                overstated = self.calibration.overstatement(self.real_check_since, self.active)
+                overstated = self.calibration.overstatement(self.active)
                 self.overstated[self.active] = max(0.0, overstated)
                 # One that did not overstate it lost a stretch to LRU, as a
                 # demotion finds: it may come back as a demoted one does.
