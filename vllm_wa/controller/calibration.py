@@ -123,7 +123,11 @@ class Calibration:
 
     @staticmethod
     def retract(checked: CheckedRequest) -> None:
-        """Take back a request found later not to have fitted the real cache."""
+        """Take back a request found later not to have fitted the real cache.
+
+        A check whose batch has left the window by then (a request that ran
+        longer than ``window_s``) stays in the run's sums (:meth:`overstatement`).
+        """
         lookups, real, predicted, lru = checked.row
         for totals in (checked.batch, checked.total):
             totals.add(-lookups, -real, -predicted, -lru, requests=-1)
