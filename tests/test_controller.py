@@ -1367,6 +1367,58 @@ def test_the_real_cache_check_reads_only_requests_both_caches_could_fit():
     assert (totals.requests, totals.lookups) == (1, 4)  # finishing holding blocks keeps it
 
 
+def test_a_lookup_made_before_the_live_queue_took_up_what_it_runs_checks_nothing():
+    """Events are drained at the next refit, so a lookup made under a pin
+    just lifted, or while a refit that switches is still fitting, is read
+    after the change: its real-cache hits were the earlier configuration's,
+    and they are not checked against the candidate running now."""
+    sink = EventSink(capacity=1 << 16)
+    now = [0.0]
+    c = WAController(small_config(initial="lru", tuner_real_check_turnover=0.0), 200, Applied(), sink,
+                     clock=lambda: now[0])
+    c.refit()
+    assert c.tuner.active == "lru"
+
+    def look(t: float, rid: str) -> None:
+        sink.emit(LookupEvent(EventKind.LOOKUP, t, rid, "chat", (("h", rid, 0), ("h", rid, 1)), (), 1))
+
+    now[0] = 100.0
+    c.pin(WAParams.from_pr_json({"a": {"x": 0.5}, "p": {"x": 0.5}}), ("tag",))
+    c.refit()
+    for i in range(5):
+        look(106.0 + 0.1 * i, f"pinned{i}")  # under the pin, drained after the unpin
+    now[0] = 108.0
+    c.unpin()
+    look(109.0, "after")  # under the tuner's candidate again
+    now[0] = 110.0
+    c.refit()
+    totals = c.tuner.calibration.totals["lru"]
+    assert totals.requests == 1 and c.tuner.real_check_since == 108.0
+
+    # A switch: the swap is read on the clock once the live queue runs the
+    # new candidate (here 0.4 s into the refit); a lookup stamped before that
+    # ran under the old one.
+    target = next(n for n in c.tuner.names if n != "lru")
+    decide = c.tuner.decide
+
+    def switch_while_fitting(t: float):
+        c.tuner.decide = decide
+        look(t + 0.2, "during")
+        now[0] = t + 0.4
+        cmp = SimpleNamespace(lead=0.0, batches=0, requests=0)
+        return c.tuner._switch(t, target, "promote", cmp, 0.0)
+
+    c.tuner.decide = switch_while_fitting
+    now[0] = 120.0
+    c.refit()
+    assert c.tuner.active == target
+    look(120.6, "new")
+    now[0] = 125.0
+    c.refit()
+    assert c.tuner.calibration.totals[target].requests == 1  # "new" only
+    assert totals.requests == 1  # and nothing more for LRU either
+
+
 def test_a_pin_or_an_unpin_restarts_the_real_cache_checks_turnover():
     """The real-cache check waits for a turnover after anything changes what
     the real cache runs: a tuner switch, and also an operator's pin and unpin

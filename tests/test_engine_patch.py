@@ -1001,6 +1001,27 @@ def test_request_that_does_not_fit_is_reported_finished(clock):
     assert kinds == [(EventKind.LOOKUP, "big"), (EventKind.FINISHED, "big")]
 
 
+def test_a_request_preempted_then_aborted_while_waiting_finishes_as_one_that_held_blocks(clock):
+    """Preemption released the request's blocks, filed under its tag; an abort
+    while it waits to resume frees nothing more, and vLLM's ``free`` finds no
+    blocks. It still held blocks in the real cache, so its finish names what
+    it was filed under (a finish naming nothing says it never fitted, and the
+    controller would take back its real-cache check)."""
+    m = make_manager(40)
+    sink = EventSink(capacity=1000)
+    install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    r = make_request("r", tokens(0, 4), tag="chat")
+    run_prefill(m, r)
+    assert block_ids_of(m, "r")
+    clock.advance(1)
+    finish(m, r, RequestStatus.PREEMPTED)
+    clock.advance(1)
+    finish(m, r, RequestStatus.FINISHED_ABORTED)
+    finished = [e for e in sink.drain() if e.kind == EventKind.FINISHED]
+    assert len(finished) == 1 and finished[0].request_id == "r"
+    assert finished[0].request is not None and finished[0].request.tag == "chat"
+
+
 @pytest.mark.parametrize("rate", [0.05, 0.5, 1.0])
 def test_sink_samples_a_prompts_tail_as_it_samples_each_hash(rate: float) -> None:
     """The lookup's one-pass sampling and a release's sampling mask pick

@@ -247,6 +247,10 @@ class WAController:
         # When a swap last changed the candidate the live queue runs (None:
         # not since the last refit); the refit restarts the real-cache check.
         self._real_cache_changed: float | None = None
+        # When the live queue last began to run another candidate (a switch, a
+        # pin, an unpin), read on the clock once it runs it: a lookup before
+        # then ran under what came before, though it is drained after.
+        self._real_cache_since = -math.inf
         self.version = 0
         self.refits = 0
         self.swaps = 0
@@ -495,8 +499,11 @@ class WAController:
                 if hs and not any(s.cache.holds(rid) for s in shadows):
                     # The same sampled request in every miniature cache: paired
                     # evidence. While pinned the real cache runs the pin, not
-                    # the tuner's candidate: its hits check nothing.
-                    if self.pinned is not None:
+                    # the tuner's candidate: its hits check nothing; nor do
+                    # those of a lookup made before the live queue took up
+                    # what it runs now (one made during a refit that switched,
+                    # or under a pin just lifted, is drained after).
+                    if self.pinned is not None or ev.time < self._real_cache_since:
                         real = None
                     hits = [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows]
                     if not self.candidates[self.tuner.active].shadow.cache.holds(rid):
@@ -810,6 +817,7 @@ class WAController:
                 # unpin): the real-cache check waits for a turnover again.
                 # (The first swap changes nothing: the cache starts cold.)
                 self._real_cache_changed = now
+                self._real_cache_since = self.clock()
             self._applied_candidate = name
             self.swaps += 1
             self.last_swap = now

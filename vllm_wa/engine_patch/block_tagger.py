@@ -773,12 +773,18 @@ class BlockTagger:
 
     def forget(self, request_id: str, now: float | None = None) -> None:
         """A request left without holding blocks (it did not fit, or was aborted
-        while waiting): drop its lookup and tell consumers it is finished."""
-        self._live_tags.pop(request_id, None)
+        while waiting): drop its lookup and tell consumers it is finished.
+
+        One preempted before it was aborted did hold blocks (it released them
+        at its preemption, filed under its tag): it finishes as filed there,
+        not as one that held none, so the real-cache check keeps its hits.
+        """
+        tag = self._live_tags.pop(request_id, None)
         preempted = self._preempted.pop(request_id, None)
         if self._looked_up.pop(request_id, None) is None and preempted is None:
             return
         sink = self.sink
         if sink is not None:
             t = self.queue.clock() if now is None else now
-            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, None))
+            held = None if preempted is None or tag is None else RequestTags(request_id, tag, timing=preempted.timing)
+            sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, held))
