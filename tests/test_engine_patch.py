@@ -1022,6 +1022,48 @@ def test_a_request_preempted_then_aborted_while_waiting_finishes_as_one_that_hel
     assert finished[0].request is not None and finished[0].request.tag == "chat"
 
 
+@pytest.mark.parametrize("preempted", [False, True])
+def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_preempted_first(clock, preempted):
+    """Turn 2 is aborted (while running, or while waiting after a preemption):
+    its prompt was in the cache all the same, so turn 3 follows it (turn 3,
+    think time from the abort), not turn 1."""
+    m = make_manager(60)
+    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
+    p1 = tokens(0, 3)
+    r1 = make_request("r1", p1)
+    run_prefill(m, r1)
+    clock.advance(1)
+    finish(m, r1)
+    clock.advance(1)
+    p2 = p1[: 3 * BS] + tokens(1000, 3)
+    r2 = make_request("r2", p2)
+    run_prefill(m, r2)
+    clock.advance(1)
+    if preempted:
+        finish(m, r2, RequestStatus.PREEMPTED)
+    clock.advance(1)
+    finish(m, r2, RequestStatus.FINISHED_ABORTED)
+    clock.advance(6)
+    r3 = make_request("r3", p2[: 6 * BS] + tokens(2000, 3))
+    run_prefill(m, r3)
+    timing = h.tagger._looked_up["r3"].timing
+    assert (timing.turn, timing.think_s) == (3, 6.0)
+    assert h.hook_errors == 0
+
+
+def test_a_conversation_tip_past_its_age_is_censored_at_a_lookup_after_a_quiet_stretch():
+    """Tips expire after ``max_age_s``; with no finish in between (where they
+    were expired before), a lookup 999 s later still linked to one."""
+    t = ConversationTracker(max_age_s=100.0)
+    t.finished(t.lookup(["a1", "a2", "a3"], 0, 0.0), ("a2", "a3"), 3, now=1.0)
+    late = t.lookup(["a1", "a2", "a3", "a4"], 0, 1000.0)
+    assert (late.turn, late.think_s) == (1, None)
+    assert t.counters.censored == 1 and t.counters.continuations == 0
+    soon = ConversationTracker(max_age_s=100.0)
+    soon.finished(soon.lookup(["a1", "a2", "a3"], 0, 0.0), ("a2", "a3"), 3, now=1.0)
+    assert soon.lookup(["a1", "a2", "a3", "a4"], 0, 50.0).turn == 2
+
+
 @pytest.mark.parametrize("rate", [0.05, 0.5, 1.0])
 def test_sink_samples_a_prompts_tail_as_it_samples_each_hash(rate: float) -> None:
     """The lookup's one-pass sampling and a release's sampling mask pick

@@ -783,8 +783,11 @@ class BlockTagger:
         preempted = self._preempted.pop(request_id, None)
         if self._looked_up.pop(request_id, None) is None and preempted is None:
             return
+        t = self.queue.clock() if now is None else now
+        if preempted is not None and preempted.timing is not None and self.conversations is not None:
+            # Its prompt was in the cache: the conversation's next turn follows this one.
+            self.conversations.finished(preempted.timing, preempted.tips, preempted.prompt_blocks, t)
         sink = self.sink
         if sink is not None:
-            t = self.queue.clock() if now is None else now
             held = None if preempted is None or tag is None else RequestTags(request_id, tag, timing=preempted.timing)
             sink.emit(FinishedEvent(EventKind.FINISHED, t, request_id, held))

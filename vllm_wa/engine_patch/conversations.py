@@ -90,6 +90,9 @@ class ConversationTracker:
 
     def lookup(self, hashes: Sequence[Any], n_hit: int, now: float) -> TurnTiming:
         """The timing of a prompt with block ``hashes``, ``n_hit`` of them cached."""
+        # Tips past max_age_s are censored, not continued, even after a stretch
+        # with no finish (which is where they are otherwise expired).
+        self.expire(now)
         tips = self.tips
         prev: _Tip | None = None
         n = len(hashes)
