@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from vllm_wa.fileio import atomic_write, opener_for
+from vllm_wa.replay.records import float_field, hash_ids
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,13 @@ def read_records(path: str) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            ids = rec.get("hash_ids") if isinstance(rec, dict) else None
-            ts = rec.get("timestamp") if isinstance(rec, dict) else None
-            if not isinstance(ids, list) or not all(type(h) is int and h >= 0 for h in ids):
-                raise ValueError(f"{path}:{n}: 'hash_ids' must be a list of non-negative integers")
-            if type(ts) not in (int, float) or ts < 0:
-                raise ValueError(f"{path}:{n}: 'timestamp' must be a non-negative number (ms)")
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: not a JSON object")  # noqa: TRY004 - a bad record is a ValueError
+            try:  # the replay's own checks of these fields
+                float_field(rec, "timestamp")
+                hash_ids(rec)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
             records.append(rec)
     if not records:
         raise ValueError(f"{path}: no records")

@@ -340,8 +340,7 @@ class Tuner:
         self.active_since = -math.inf
         # When the real-cache check starts to count for the running candidate
         # (inf: not yet; see evicted), and the sampled evictions since the switch.
-        self.real_check_since = -math.inf
-        self.calibration.count_from(self.real_check_since, self.active)
+        self._count_real_check_from(-math.inf)
         self._evicted_since_switch = 0
         self._turnover_blocks = s.real_check_turnover * self.sampled_cache_blocks
         self.evidence_since = {n: -math.inf for n in self.names}
@@ -398,14 +397,17 @@ class Tuner:
             return
         self._evicted_since_switch += blocks
         if self._evicted_since_switch >= self._turnover_blocks:
-            self.real_check_since = t
-            self.calibration.count_from(t, self.active)
+            self._count_real_check_from(t)
 
     def restart_real_check(self, now: float) -> None:
         """What the real cache runs changed at ``now``: the check waits for a turnover again."""
         self._evicted_since_switch = 0
-        self.real_check_since = now if self._turnover_blocks <= 0 else math.inf
-        self.calibration.count_from(self.real_check_since, self.active)
+        self._count_real_check_from(now if self._turnover_blocks <= 0 else math.inf)
+
+    def _count_real_check_from(self, since: float) -> None:
+        """The real-cache check counts for the running candidate from ``since`` (inf: not yet)."""
+        self.real_check_since = since
+        self.calibration.count_from(since, self.active)
 
     def _promotion(self, now: float) -> tuple[str, Comparison, float] | None:
         s = self.settings

@@ -468,10 +468,14 @@ class BlockTagger:
                 self._remember_freed(key, req, [blocks, *extra_groups], now, reported)
             else:
                 self.long_request_ids += 1
-        if look is not None and look.timing is not None and self.conversations is not None:
-            self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
+        self._finish_turn(look, now)
         if self.sink is not None:
             self.sink.emit(FinishedEvent(EventKind.FINISHED, now, rid, req))
+
+    def _finish_turn(self, look: _Lookup | None, now: float) -> None:
+        """A looked-up request's prompt was in the cache: its last blocks become its conversation's tips."""
+        if look is not None and look.timing is not None and self.conversations is not None:
+            self.conversations.finished(look.timing, look.tips, look.prompt_blocks, now)
 
     def _remember_freed(
         self, key: str, req: RequestTags, groups: Sequence[Sequence[KVCacheBlock]], now: float, reported: tuple
@@ -784,9 +788,7 @@ class BlockTagger:
         if self._looked_up.pop(request_id, None) is None and preempted is None:
             return
         t = self.queue.clock() if now is None else now
-        if preempted is not None and preempted.timing is not None and self.conversations is not None:
-            # Its prompt was in the cache: the conversation's next turn follows this one.
-            self.conversations.finished(preempted.timing, preempted.tips, preempted.prompt_blocks, t)
+        self._finish_turn(preempted, t)  # a preempted one's prompt was in the cache
         sink = self.sink
         if sink is not None:
             held = None if preempted is None or tag is None else RequestTags(request_id, tag, timing=preempted.timing)
