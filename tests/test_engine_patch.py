@@ -1051,6 +1051,54 @@ def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_pre
     assert h.hook_errors == 0
 
 
+def test_a_shared_system_prompts_last_block_is_no_tip_of_a_request_that_found_it_cached(clock):
+    """A first request adding one full block after a cached system prompt
+    left the prompt's last block as its second tip: every later user's first
+    request holds it, and read as turn 2 of that conversation, with its think
+    time.  Only blocks a request computed itself are second tips, so a client
+    that rewrote the end of its last block (turn 3 here) still continues."""
+    m = make_manager(80)
+    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
+    system = tokens(0, 3, 0)
+    first = make_request("u0", system + tokens(500, 3))  # caches the system prompt
+    run_prefill(m, first)
+    finish(m, first)
+    clock.advance(1)
+    a = make_request("a", system + tokens(1000, 1))  # one full block of its own
+    run_prefill(m, a)
+    finish(m, a)
+    clock.advance(5)
+    other = make_request("c", system + tokens(2000, 3))
+    run_prefill(m, other)
+    look = h.tagger._looked_up["c"].timing
+    assert (look.turn, look.think_s) == (1, None)
+    finish(m, other)
+    # a's own continuation holds its last full block: turn 2.
+    b_prompt = system + tokens(1000, 1, 0) + tokens(3000, 2)
+    b = make_request("b", b_prompt)
+    run_prefill(m, b)
+    assert h.tagger._looked_up["b"].timing.turn == 2
+    finish(m, b)
+    # b computed both of its last full blocks; turn 3 rewrote the end of the last one.
+    clock.advance(2)
+    c3 = make_request("b3", b_prompt[: 5 * BS] + tokens(4000, 2))
+    run_prefill(m, c3)
+    timing = h.tagger._looked_up["b3"].timing
+    assert (timing.turn, timing.think_s) == (3, 2.0)
+    assert h.hook_errors == 0
+
+
+def test_tips_are_full_blocks_and_a_second_tip_only_one_the_request_computed():
+    tips_of = ConversationTracker.tips_of
+    assert tips_of(["s1", "s2", "a1"], n_hit=2) == ("a1",)  # s2 was cached
+    assert tips_of(["s1", "s2", "a1"], n_hit=1) == ("s2", "a1")
+    # A trace lists a partial last block too: no continuation holds it.
+    assert tips_of(["s1", "s2", "a1", "p"], n_hit=2, full_blocks=3) == ("a1",)
+    assert tips_of(["a1", "p"], n_hit=0, full_blocks=1) == ("a1",)
+    assert tips_of(["p"], n_hit=0, full_blocks=0) == ()
+    assert tips_of([], n_hit=0) == ()
+
+
 def test_a_conversation_tip_past_its_age_is_censored_at_a_lookup_after_a_quiet_stretch():
     """Tips expire after ``max_age_s``; with no finish in between (where they
     were expired before), a lookup 999 s later still linked to one."""

@@ -203,12 +203,12 @@ def test_arc_store_misses_move_the_target_as_the_key_by_key_loop_does():
                 b2.append(key)
         return t, b1, b2
 
-    def checked_lookup(req, hit_blocks, hashes, now):
+    def checked_lookup(req, hit_blocks, hashes, now, full_blocks=None):
         assert not (set(q.b1) | set(q.b2)) & set(q.resident.primary)
         misses = set(hashes[len(hit_blocks):])
         both_lists[0] += bool(misses & set(q.b1) and misses & set(q.b2))
         want = reference(hit_blocks, list(hashes))
-        lookup(req, hit_blocks, hashes, now)
+        lookup(req, hit_blocks, hashes, now, full_blocks)
         assert (q.target_t1_size, list(q.b1), list(q.b2)) == want
 
     q.on_lookup = checked_lookup

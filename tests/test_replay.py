@@ -843,6 +843,40 @@ def test_the_replay_refits_on_the_servers_grid_through_idle_stretches():
     assert res.extra["refits"] == len(times) and res.requests == 24
 
 
+def test_both_engines_give_the_conversation_tracker_full_blocks_only(tmp_path, monkeypatch):
+    """A Bailian prompt's last listed block may be partial: no continuation
+    holds it, so it is no tip, on either engine.  Chat 3 is another user's
+    first request after the cached system prompt (1, 2, 3); chat 5 rewrote
+    the end of chat 4's last full block (31) and continues from 30."""
+    from vllm_wa.engine_patch.conversations import ConversationTracker
+
+    lines = [
+        bailian_line(chat=1, ts=0.0, n_in=83, hashes=(1, 2, 3, 50, 51, 52)),
+        bailian_line(chat=2, ts=10.0, n_in=64, hashes=(1, 2, 3, 10)),
+        bailian_line(chat=3, ts=20.0, n_in=69, hashes=(1, 2, 3, 20, 21)),
+        bailian_line(chat=4, parent=2, ts=30.0, n_in=101, hashes=(1, 2, 3, 10, 30, 31, 32)),
+        bailian_line(chat=5, parent=4, ts=40.0, n_in=101, hashes=(1, 2, 3, 10, 30, 40, 41)),
+    ]
+    p = tmp_path / "tips.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    trace = load_trace(str(p), "bailian")
+    lookup = ConversationTracker.lookup
+    turns: list[int] = []
+
+    def recording(self, hashes, n_hit, now):
+        timing = lookup(self, hashes, n_hit, now)
+        turns.append(timing.turn)
+        return timing
+
+    monkeypatch.setattr(ConversationTracker, "lookup", recording)
+    for engine in ("fast", "vllm"):
+        turns.clear()
+        cfg = ReplayConfig(engine=engine, profile_fraction=0.0)
+        setup = prepare(trace, ["wa-online"], cfg)
+        run_one(setup.trace, make_policy("wa-online", setup), 64, cfg, 0.0)
+        assert turns == [1, 1, 1, 2, 3], engine
+
+
 def test_both_engines_tell_wa_online_the_replys_length(agentic):
     """The vLLM engine generated nothing, so its hooks read a reply of 0
     tokens where the fast engine told the trace's: a candidate keyed on the

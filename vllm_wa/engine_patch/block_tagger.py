@@ -123,7 +123,7 @@ class _Lookup:
 
     at: float  # when its prompt was looked up
     timing: TurnTiming | None  # None without a conversation tracker
-    tips: tuple  # its prompt's last full block hashes
+    tips: tuple  # ConversationTracker.tips_of its prompt
     prompt_blocks: int
 
 
@@ -301,11 +301,14 @@ class BlockTagger:
         to_key: Callable[[Any], Any] | None = None,
         extra_hits: Sequence[Sequence[KVCacheBlock]] = (),
         prompt_tokens: int = 0,
+        full_blocks: int | None = None,
     ) -> None:
         """A request's prompt was matched: ``hit_blocks`` is its cached prefix.
 
         ``prompt_tokens``: the prompt's length, for the per-tag hit accounting
         (a partial last block is looked up too, and never hit).
+        ``full_blocks``: how many of ``block_hashes`` are full blocks (a
+        replayed trace lists a partial last block; None: all, as in vLLM).
 
         ``block_hashes`` are the prompt's block hashes; ``to_key`` maps the
         ones reported in the event to the form blocks hold (vLLM adds the
@@ -330,7 +333,8 @@ class BlockTagger:
         timing = None
         if convs is not None:
             timing = convs.lookup(block_hashes, len(hit_blocks), now)
-            self._looked_up[rid] = _Lookup(now, timing, tuple(block_hashes[-2:]), len(block_hashes))
+            tips = convs.tips_of(block_hashes, len(hit_blocks), full_blocks)
+            self._looked_up[rid] = _Lookup(now, timing, tips, len(block_hashes))
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))
         if len(self._looked_up) > MAX_LIVE_REQUESTS:

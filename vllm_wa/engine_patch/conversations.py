@@ -14,10 +14,17 @@ reply's length.  A conversation is named by a content-derived key, the hash
 of the first block where its first prompt left what was already cached (a
 shared system prompt stays outside it), so every turn of it samples alike.
 
+A finished prompt's tips are its last full block and, when the request
+computed it itself, the full block before it (so a client that rewrote the
+end of its last block still continues).  A block it found cached is never a
+second tip: it may be a shared system prompt's last block, which every other
+user's first request holds too, and reading those as turn 2 of this
+conversation would give them another user's think time.
+
 A tip that ages out (or is pushed out of the bounded index) without a
 continuation is counted as censored (``counters``).
 
-State is bounded: ``capacity`` tips (two per finished request), expired
+State is bounded: ``capacity`` tips (at most two per finished request), expired
 after ``max_age_s``.
 """
 
@@ -66,7 +73,7 @@ class ConversationTracker:
     """Links each prompt to the turn it continues (see the module docstring).
 
     Args:
-        capacity: tips kept (two per finished request).
+        capacity: tips kept (at most two per finished request).
         max_age_s: a tip older than this is dropped (counted as censored).
         max_scan: block hashes probed per lookup, from the prompt's end.
         key_of: a conversation's 64-bit key from the hash of its first own
@@ -113,6 +120,21 @@ class ConversationTracker:
         p = prev.timing
         growth = (n - prev.prompt_blocks) / max(1, prev.prompt_blocks)
         return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
+
+    @staticmethod
+    def tips_of(hashes: Sequence[Any], n_hit: int, full_blocks: int | None = None) -> tuple:
+        """The tips a prompt of block ``hashes`` leaves (see the module docstring).
+
+        ``n_hit``: its blocks found cached; ``full_blocks``: how many of
+        ``hashes`` are full blocks (a trace may list a partial last block,
+        which no continuation holds; None: all are full, as in vLLM).
+        """
+        n = len(hashes) if full_blocks is None else max(0, min(len(hashes), full_blocks))
+        if n == 0:
+            return ()
+        if n >= 2 and n - 2 >= n_hit:
+            return (hashes[n - 2], hashes[n - 1])
+        return (hashes[n - 1],)
 
     def finished(self, timing: TurnTiming, tip_hashes: Sequence[Any], prompt_blocks: int, now: float) -> None:
         """A request released its blocks: its prompt's last full blocks become tips."""

@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 HANDLE_ATTR = "_vllm_wa_handle"
 TAG_KEY = "type_info"
+# Set on a vLLM Request by a replay whose trace lists a partial last block as
+# a block: how many of its block hashes are full (the conversation tracker's
+# tips are full blocks).  A served request never has it: vLLM hashes full
+# blocks only.
+REPLAY_FULL_BLOCKS = "_vllm_wa_full_blocks"
 _WRAPPED_MARK = "__vllm_wa_wrapped__"
 _install_lock = threading.Lock()
 
@@ -151,6 +156,7 @@ class WAHandle:
             to_key=lambda h: make_block_hash_with_group_id(h, g),
             extra_hits=others,
             prompt_tokens=request.num_tokens,
+            full_blocks=getattr(request, REPLAY_FULL_BLOCKS, None),
         )
 
     def on_free(self, manager: Any, request: Any) -> None:

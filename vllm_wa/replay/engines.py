@@ -38,6 +38,7 @@ class FastEngine:
         self.hooks = policy.request_hooks
         self.cache.hooks = policy.tagger if policy.tagger is not None else self.hooks
         self.cache.oracle = policy.oracle
+        self.trace = trace
 
     def admit(self, index: int, req: TraceRequest) -> int:
         """Serve a request's prompt; returns its hit blocks, or -1 if it did not fit."""
@@ -46,7 +47,8 @@ class FastEngine:
             info = tagger.request_tags(req.request_id, req.tag)
         else:
             info = self.policy.request_info(req)
-        n_hit = self.cache.admit(req.request_id, req.hash_ids, self.clock.t, info, index)
+        full = self.trace.full_blocks(req) if self.trace is not None else None
+        n_hit = self.cache.admit(req.request_id, req.hash_ids, self.clock.t, info, index, full)
         if n_hit >= 0 and hooks is not None:
             hooks.on_admitted(info, self.cache.pool.held[req.request_id], n_hit, self.clock.t)
         return n_hit

@@ -184,6 +184,9 @@ class ServedEngine(VLLMEngine):
     def _looked_up(self, req: TraceRequest) -> Sequence[Any]:
         return req.hash_ids[: req.input_tokens // self.block_size]  # full blocks only
 
+    def _full_blocks(self, req: TraceRequest) -> int | None:
+        return None  # the lookup sees full blocks only
+
     def _generate(self, vreq: Request, req: TraceRequest) -> None:
         # The reply's KV: every generated token but the last was fed back.
         n_kv = req.output_tokens - 1

@@ -77,6 +77,16 @@ class Trace:
             ids.update(r.hash_ids)
         return len(ids)
 
+    def full_blocks(self, req: TraceRequest) -> int:
+        """How many of ``req``'s listed blocks are full.
+
+        Bailian and Mooncake list a prompt's partial last block too (the
+        agentic loader lists full blocks only); only the last one can be
+        partial, whatever the token count says.
+        """
+        n = len(req.hash_ids)
+        return n if req.input_tokens >= n * self.block_size else max(0, n - 1)
+
     def tags(self) -> list[str]:
         return sorted({r.tag for r in self.requests})
 

@@ -20,6 +20,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_wa.engine_patch.install import REPLAY_FULL_BLOCKS
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.sim.clock import SettableClock
@@ -51,6 +52,7 @@ class VLLMEngine:
         self.policy = policy
         self.clock = clock
         self._hasher = get_request_block_hasher(tokens_per_block, sha256)
+        self.trace = trace
         self.manager = model_free_kv_cache_manager(num_blocks, tokens_per_block, self._max_len(trace))
         policy.install_vllm(self.manager.block_pool, clock)
         # Peers' hooks are called here; the WA tagger is wrapped into the manager.
@@ -82,6 +84,10 @@ class VLLMEngine:
         """The hash ids of the blocks the prompt's lookup can match."""
         return req.hash_ids
 
+    def _full_blocks(self, req: TraceRequest) -> int | None:
+        """How many looked-up blocks are full: a trace's partial last block is a block here."""
+        return self.trace.full_blocks(req)
+
     def _generate(self, vreq: Request, req: TraceRequest) -> None:
         """After the prompt's allocation: the reply's KV (none here)."""
 
@@ -108,6 +114,9 @@ class VLLMEngine:
         m = self.manager
         oracle, hooks, now = self.policy.oracle, self.hooks, self.clock.t
         vreq = self._request(req)
+        full = self._full_blocks(req)
+        if full is not None:  # read by the WA tagger's lookup hook
+            setattr(vreq, REPLAY_FULL_BLOCKS, full)
         blocks, n_hit_tokens, _ = m.get_computed_blocks(vreq)
         n_hit = n_hit_tokens // self.block_size
         if oracle is not None:
@@ -115,7 +124,8 @@ class VLLMEngine:
         info = None
         if hooks is not None:
             info = self.policy.request_info(req)
-            hooks.on_lookup(info, blocks.blocks[0] if blocks.blocks else [], self._looked_up(req), now)
+            hits = blocks.blocks[0] if blocks.blocks else []
+            hooks.on_lookup(info, hits, self._looked_up(req), now, full_blocks=full)
         new = m.allocate_slots(vreq, vreq.num_tokens - n_hit_tokens, n_hit_tokens, blocks)
         if new is None:
             m.free(vreq)  # nothing is held; lets the hooks forget the lookup

@@ -20,7 +20,14 @@ from vllm_wa.sim.block_pool import SimBlockPool
 class RequestHooks(Protocol):
     """What a policy learns about requests (the block tagger implements it)."""
 
-    def on_lookup(self, req: Any, hit_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Any], now: float) -> None: ...
+    def on_lookup(
+        self,
+        req: Any,
+        hit_blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Any],
+        now: float,
+        full_blocks: int | None = None,
+    ) -> None: ...
 
     def forget(self, request_id: str, now: float) -> None: ...
 
@@ -54,11 +61,21 @@ class SimPrefixCache:
         self.hooks: RequestHooks | None = None
         self.oracle: AdmissionOracle | None = None
 
-    def admit(self, request_id: str, hashes: Sequence[Any], now: float, info: Any = None, index: int = -1) -> int:
+    def admit(
+        self,
+        request_id: str,
+        hashes: Sequence[Any],
+        now: float,
+        info: Any = None,
+        index: int = -1,
+        full_blocks: int | None = None,
+    ) -> int:
         """Serve a prompt: its hit blocks, or -1 when its blocks do not fit.
 
         ``info`` is what the hooks know of the request (``RequestTags``);
-        ``index`` is its position in the trace, for the oracle.
+        ``index`` is its position in the trace, for the oracle;
+        ``full_blocks``: how many of ``hashes`` are full blocks (None: all),
+        for the hooks (the cache holds a partial last block like any other).
         """
         pool, hooks, oracle = self.pool, self.hooks, self.oracle
         hits = pool.lookup(hashes)
@@ -66,7 +83,7 @@ class SimPrefixCache:
         if oracle is not None:
             oracle.on_arrival(index, hashes, n_hit)
         if hooks is not None:
-            hooks.on_lookup(info, hits, hashes, now)
+            hooks.on_lookup(info, hits, hashes, now, full_blocks=full_blocks)
         if not pool.allocate(request_id, hashes, hits):
             if hooks is not None:
                 hooks.forget(request_id, now)

@@ -89,7 +89,14 @@ class ARCQueue(PeerQueue):
 
     # ---- store miss, insert, request finished -----------------------------------------------
 
-    def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
+    def on_lookup(
+        self,
+        req: RequestHints,
+        hit_blocks: Sequence[KVCacheBlock],
+        hashes: Sequence[Any],
+        now: float,
+        full_blocks: int | None = None,
+    ) -> None:
         # on_store_miss: before the eviction that makes room for the new keys.
         b1, b2 = self.b1, self.b2
         if not (b1 or b2):

@@ -100,8 +100,19 @@ class PeerQueue:
 
     # ---- request hooks (engine facts and client hints) --------------------------------
 
-    def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
-        """The prompt's cached prefix is ``hit_blocks``; nothing is pinned yet."""
+    def on_lookup(
+        self,
+        req: RequestHints,
+        hit_blocks: Sequence[KVCacheBlock],
+        hashes: Sequence[Any],
+        now: float,
+        full_blocks: int | None = None,
+    ) -> None:
+        """The prompt's cached prefix is ``hit_blocks``; nothing is pinned yet.
+
+        ``full_blocks`` (how many of ``hashes`` are full blocks) is for the
+        conversation tracker; a peer treats every listed block alike.
+        """
 
     def forget(self, request_id: str, now: float) -> None:
         """The request looked up did not fit: it holds no block."""

@@ -81,7 +81,14 @@ class RadixLeafQueue(PeerQueue):
         self._clock += 1
         return self._clock
 
-    def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
+    def on_lookup(
+        self,
+        req: RequestHints,
+        hit_blocks: Sequence[KVCacheBlock],
+        hashes: Sequence[Any],
+        now: float,
+        full_blocks: int | None = None,
+    ) -> None:
         t = self._tick()
         last = self.last_access
         for b in hit_blocks:  # match_prefix stamps the matched path

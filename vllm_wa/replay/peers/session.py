@@ -213,7 +213,14 @@ class SessionQueue(PeerQueue):
 
     # ---- lookup and touch -----------------------------------------------------------------
 
-    def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
+    def on_lookup(
+        self,
+        req: RequestHints,
+        hit_blocks: Sequence[KVCacheBlock],
+        hashes: Sequence[Any],
+        now: float,
+        full_blocks: int | None = None,
+    ) -> None:
         session_of = self.session_of
         # record_lookup: the last resident hit names the merge target, if
         # the request continues its session (it hit all the session holds).

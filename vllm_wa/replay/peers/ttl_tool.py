@@ -152,7 +152,14 @@ class TTLToolQueue(PeerQueue):
             if pin is not None and pin.deadline == deadline:
                 self._unpin(conv)
 
-    def on_lookup(self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float) -> None:
+    def on_lookup(
+        self,
+        req: RequestHints,
+        hit_blocks: Sequence[KVCacheBlock],
+        hashes: Sequence[Any],
+        now: float,
+        full_blocks: int | None = None,
+    ) -> None:
         conv = req.conversation
         if conv is None:
             return
