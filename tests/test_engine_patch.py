@@ -1088,6 +1088,19 @@ def test_a_shared_system_prompts_last_block_is_no_tip_of_a_request_that_found_it
     assert h.hook_errors == 0
 
 
+def test_a_tip_is_censored_once_its_last_hash_leaves_the_index_and_never_when_continued():
+    """A tip named by two hashes lost one to the index's capacity: it was
+    counted as censored then, and as continued when the other hash was found."""
+    t = ConversationTracker(capacity=2)
+    t.finished(t.lookup(["a1", "a2"], 0, 0.0), ("a1", "a2"), 2, now=1.0)
+    t.finished(t.lookup(["b1"], 0, 2.0), ("b1",), 1, now=3.0)  # pushes a1 out
+    assert t.counters.censored == 0
+    assert t.lookup(["a1", "a2", "a3"], 0, 4.0).turn == 2
+    t.finished(t.lookup(["c1"], 0, 5.0), ("c1",), 1, now=6.0)  # pushes a2 out
+    t.finished(t.lookup(["d1"], 0, 7.0), ("d1",), 1, now=8.0)  # pushes b1 out
+    assert (t.counters.continuations, t.counters.censored) == (1, 1)  # b's tip only
+
+
 def test_tips_are_full_blocks_and_a_second_tip_only_one_the_request_computed():
     tips_of = ConversationTracker.tips_of
     assert tips_of(["s1", "s2", "a1"], n_hit=2) == ("a1",)  # s2 was cached

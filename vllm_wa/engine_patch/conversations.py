@@ -60,6 +60,7 @@ class _Tip:
     prompt_blocks: int
     finished: float
     resolved: bool = False  # continued, or counted as censored
+    held: int = 0  # hashes in the index that name it
 
 
 @dataclass
@@ -142,11 +143,16 @@ class ConversationTracker:
         tip = _Tip(timing, prompt_blocks, now)
         tips = self.tips
         for h in tip_hashes:
-            tips[h] = tip
+            old = tips.get(h)
+            if old is not tip:
+                if old is not None:
+                    old.held -= 1  # a later prompt holding the block finished: its tip now
+                tip.held += 1
+                tips[h] = tip
             tips.move_to_end(h)
         while len(tips) > self.capacity:
             _, old = tips.popitem(last=False)
-            self._censor(old, now)
+            self._drop(old)
 
     def expire(self, now: float) -> None:
         """Drop tips older than ``max_age_s`` (censored at that age)."""
@@ -157,10 +163,12 @@ class ConversationTracker:
             if tip.finished > limit:
                 break
             del tips[h]
-            self._censor(tip, now)
+            self._drop(tip)
 
-    def _censor(self, tip: _Tip, now: float) -> None:
-        if tip.resolved:
+    def _drop(self, tip: _Tip) -> None:
+        """One of ``tip``'s hashes left the index: censored once none is left."""
+        tip.held -= 1
+        if tip.held > 0 or tip.resolved:
             return
         tip.resolved = True
         self.counters.censored += 1
