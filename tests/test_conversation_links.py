@@ -17,9 +17,8 @@ def bench():
 
 
 def _line(chat: int, ts: float, n_in: int, hashes: tuple, parent: int = -1) -> str:
-    rec = dict(chat_id=chat, parent_chat_id=parent, timestamp=ts, input_length=n_in, output_length=5,
-               type="text", turn=1, hash_ids=list(hashes))
-    return json.dumps(rec)
+    rec = {"chat_id": chat, "parent_chat_id": parent, "timestamp": ts, "input_length": n_in, "output_length": 5}
+    return json.dumps({**rec, "type": "text", "turn": 1, "hash_ids": list(hashes)})
 
 
 @pytest.mark.parametrize("as_served", [False, True])

@@ -90,11 +90,7 @@ class ARCQueue(PeerQueue):
     # ---- store miss, insert, request finished -----------------------------------------------
 
     def on_lookup(
-        self,
-        req: RequestHints,
-        hit_blocks: Sequence[KVCacheBlock],
-        hashes: Sequence[Any],
-        now: float,
+        self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float,
         full_blocks: int | None = None,
     ) -> None:
         # on_store_miss: before the eviction that makes room for the new keys.

@@ -101,11 +101,7 @@ class PeerQueue:
     # ---- request hooks (engine facts and client hints) --------------------------------
 
     def on_lookup(
-        self,
-        req: RequestHints,
-        hit_blocks: Sequence[KVCacheBlock],
-        hashes: Sequence[Any],
-        now: float,
+        self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float,
         full_blocks: int | None = None,
     ) -> None:
         """The prompt's cached prefix is ``hit_blocks``; nothing is pinned yet.

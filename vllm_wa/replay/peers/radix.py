@@ -82,11 +82,7 @@ class RadixLeafQueue(PeerQueue):
         return self._clock
 
     def on_lookup(
-        self,
-        req: RequestHints,
-        hit_blocks: Sequence[KVCacheBlock],
-        hashes: Sequence[Any],
-        now: float,
+        self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float,
         full_blocks: int | None = None,
     ) -> None:
         t = self._tick()

@@ -214,11 +214,7 @@ class SessionQueue(PeerQueue):
     # ---- lookup and touch -----------------------------------------------------------------
 
     def on_lookup(
-        self,
-        req: RequestHints,
-        hit_blocks: Sequence[KVCacheBlock],
-        hashes: Sequence[Any],
-        now: float,
+        self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float,
         full_blocks: int | None = None,
     ) -> None:
         session_of = self.session_of

@@ -153,11 +153,7 @@ class TTLToolQueue(PeerQueue):
                 self._unpin(conv)
 
     def on_lookup(
-        self,
-        req: RequestHints,
-        hit_blocks: Sequence[KVCacheBlock],
-        hashes: Sequence[Any],
-        now: float,
+        self, req: RequestHints, hit_blocks: Sequence[KVCacheBlock], hashes: Sequence[Any], now: float,
         full_blocks: int | None = None,
     ) -> None:
         conv = req.conversation
