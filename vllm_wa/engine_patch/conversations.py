@@ -15,14 +15,17 @@ of the first block where its first prompt left what was already cached (a
 shared system prompt stays outside it), so every turn of it samples alike.
 
 A finished prompt's tips are its last full block and, when the request
-computed it itself, the full block before it (so a client that rewrote the
-end of its last block still continues).  A block it found cached is never a
-second tip: it may be a shared system prompt's last block, which every other
-user's first request holds too, and reading those as turn 2 of this
-conversation would give them another user's think time.
+continued a conversation and computed it itself, the full block before it
+(so a client that rewrote the end of its last block still continues).  A
+block before the last is never a tip of a conversation's first request, nor
+one the request found cached: either may be a shared system prompt's last
+block (a first request computes it on a cold cache, or after an eviction),
+which every other user's first request holds too, and reading those as
+turn 2 of this conversation would give them another user's think time.
 
-A tip that ages out (or is pushed out of the bounded index) without a
-continuation is counted as censored (``counters``).
+A tip that ages out, is pushed out of the bounded index, or whose hashes a
+later prompt's tips take over, without a continuation, is counted as
+censored (``counters``).
 
 State is bounded: ``capacity`` tips (at most two per finished request), expired
 after ``max_age_s``.
@@ -123,17 +126,18 @@ class ConversationTracker:
         return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
 
     @staticmethod
-    def tips_of(hashes: Sequence[Any], n_hit: int, full_blocks: int | None = None) -> tuple:
+    def tips_of(hashes: Sequence[Any], timing: TurnTiming, n_hit: int, full_blocks: int | None = None) -> tuple:
         """The tips a prompt of block ``hashes`` leaves (see the module docstring).
 
-        ``n_hit``: its blocks found cached; ``full_blocks``: how many of
-        ``hashes`` are full blocks (a trace may list a partial last block,
-        which no continuation holds; None: all are full, as in vLLM).
+        ``timing``: its lookup's; ``n_hit``: its blocks found cached;
+        ``full_blocks``: how many of ``hashes`` are full blocks (a trace may
+        list a partial last block, which no continuation holds; None: all
+        are full, as in vLLM).
         """
         n = len(hashes) if full_blocks is None else max(0, min(len(hashes), full_blocks))
         if n == 0:
             return ()
-        if n >= 2 and n - 2 >= n_hit:
+        if n >= 2 and timing.turn > 1 and n - 2 >= n_hit:
             return (hashes[n - 2], hashes[n - 1])
         return (hashes[n - 1],)
 
@@ -146,7 +150,7 @@ class ConversationTracker:
             old = tips.get(h)
             if old is not tip:
                 if old is not None:
-                    old.held -= 1  # a later prompt holding the block finished: its tip now
+                    self._drop(old)  # a later prompt holding the block finished: its tip now
                 tip.held += 1
                 tips[h] = tip
             tips.move_to_end(h)
@@ -166,7 +170,8 @@ class ConversationTracker:
             self._drop(tip)
 
     def _drop(self, tip: _Tip) -> None:
-        """One of ``tip``'s hashes left the index: censored once none is left."""
+        """One of ``tip``'s hashes left the index (or now names a later tip):
+        censored once none is left, unless it was continued."""
         tip.held -= 1
         if tip.held > 0 or tip.resolved:
             return
