@@ -14,7 +14,8 @@ which of its links are right.  Each request's lookup is counted as one of:
 
 Requests finish after the replay's lifetime model.  A request's cached prefix
 is what an infinite cache would hold (it decides which blocks a request
-computed itself).  ``--as-served`` gives the tracker each prompt's full
+computed itself, and so whether a continuation leaves a second tip; a finite
+cache recomputes more of them).  ``--as-served`` gives the tracker each prompt's full
 blocks only, as vLLM hashes them: a trace's partial last block is dropped.
 
     python benchmarks/conversation_links.py agentic-coding-dev.tar.xz
@@ -97,7 +98,7 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
             counts.false += 1
         seen_conversations.add(req.conversation)
         cached.update(hashes)
-        tips = tracker.tips_of(hashes, timing, n_hit, None if as_served else full)
+        tips = tracker.tips_of(hashes, n_hit, None if as_served else full)
         done = now + lifetime.service_time(req)
         heapq.heappush(finishing, (done, serial, timing, tips, len(hashes), req.conversation))
     return counts

@@ -1101,37 +1101,36 @@ def test_a_tip_is_censored_once_its_last_hash_leaves_the_index_and_never_when_co
     assert (t.counters.continuations, t.counters.censored) == (1, 1)  # b's tip only
 
 
-def test_tips_are_full_blocks_and_a_second_tip_only_one_a_continuation_computed():
-    from vllm_wa.engine_patch.conversations import TurnTiming
-
+def test_tips_are_full_blocks_and_a_second_tip_only_one_the_request_computed():
     tips_of = ConversationTracker.tips_of
-    first, later = TurnTiming(0, 0, 1, None, None), TurnTiming(0, 0, 2, 5.0, 0.5)
-    assert tips_of(["s1", "s2", "a1"], later, n_hit=2) == ("a1",)  # s2 was cached
-    assert tips_of(["s1", "s2", "a1"], later, n_hit=1) == ("s2", "a1")
-    # A first request's earlier block may be a shared prompt's it computed on a cold cache.
-    assert tips_of(["s1", "s2", "a1"], first, n_hit=0) == ("a1",)
+    assert tips_of(["s1", "s2", "a1"], n_hit=2) == ("a1",)  # s2 was cached
+    assert tips_of(["s1", "s2", "a1"], n_hit=1) == ("s2", "a1")
     # A trace lists a partial last block too: no continuation holds it.
-    assert tips_of(["s1", "s2", "a1", "p"], later, n_hit=2, full_blocks=3) == ("a1",)
-    assert tips_of(["a1", "p"], later, n_hit=0, full_blocks=1) == ("a1",)
-    assert tips_of(["p"], later, n_hit=0, full_blocks=0) == ()
-    assert tips_of([], first, n_hit=0) == ()
+    assert tips_of(["s1", "s2", "a1", "p"], n_hit=2, full_blocks=3) == ("a1",)
+    assert tips_of(["a1", "p"], n_hit=0, full_blocks=1) == ("a1",)
+    assert tips_of(["p"], n_hit=0, full_blocks=0) == ()
+    assert tips_of([], n_hit=0) == ()
 
 
-def test_the_first_user_to_compute_a_system_prompt_leaves_none_of_it_as_a_tip():
+def test_the_earlier_tip_serves_one_continuation_so_a_system_prompt_computed_cold_misleads_once():
     """On a cold cache (or after an eviction) a first request computes the
-    system prompt itself; with one full block of its own, its second tip was
-    the system prompt's last block, and every later user's first request read
-    as its turn 2 for the tips' lifetime."""
+    system prompt itself; with one full block of its own, its earlier tip is
+    the system prompt's last block.  It read every later user's first request
+    as its turn 2 for the tips' lifetime; now the first of them only (a
+    client that rewrote its last block continues the same way, once)."""
     t = ConversationTracker()
     system = ["s1", "s2", "s3"]
     timing = t.lookup([*system, "u0"], 0, 0.0)
-    t.finished(timing, t.tips_of([*system, "u0"], timing, 0), 4, 1.0)
+    t.finished(timing, t.tips_of([*system, "u0"], 0), 4, 1.0)
+    turns = []
     for i in range(1, 4):
         hashes = [*system, f"u{i}"]
         timing = t.lookup(hashes, 3, 10.0 * i)
-        assert (timing.turn, timing.think_s) == (1, None)
-        t.finished(timing, t.tips_of(hashes, timing, 3), 4, 10.0 * i + 1)
-    assert t.counters.continuations == 0
+        turns.append(timing.turn)
+        t.finished(timing, t.tips_of(hashes, 3), 4, 10.0 * i + 1)
+    assert turns == [2, 1, 1]
+    # The last block stays a tip for every continuation (branches, retries).
+    assert [t.lookup([*system, "u0", f"v{k}"], 4, 50.0).turn for k in range(3)] == [2, 2, 2]
 
 
 def test_a_tip_whose_hashes_a_later_tip_took_over_is_censored_unless_continued():

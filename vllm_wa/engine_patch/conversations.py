@@ -15,13 +15,13 @@ of the first block where its first prompt left what was already cached (a
 shared system prompt stays outside it), so every turn of it samples alike.
 
 A finished prompt's tips are its last full block and, when the request
-continued a conversation and computed it itself, the full block before it
-(so a client that rewrote the end of its last block still continues).  A
-block before the last is never a tip of a conversation's first request, nor
-one the request found cached: either may be a shared system prompt's last
-block (a first request computes it on a cold cache, or after an eviction),
-which every other user's first request holds too, and reading those as
-turn 2 of this conversation would give them another user's think time.
+computed it itself, the full block before it: a client that rewrote the end
+of its last block still continues, once.  The earlier tip is never a block
+the request found cached, and serves one continuation only: it may be a
+shared system prompt's last block (a first request computes it on a cold
+cache, or after an eviction), which every other user's first request holds
+too, and reading those as turn 2 of this conversation would give them
+another user's think time.
 
 A tip that ages out, is pushed out of the bounded index, or whose hashes a
 later prompt's tips take over, without a continuation, is counted as
@@ -64,6 +64,7 @@ class _Tip:
     finished: float
     resolved: bool = False  # continued, or counted as censored
     held: int = 0  # hashes in the index that name it
+    once: Any = None  # the earlier tip's hash: it serves one continuation
 
 
 @dataclass
@@ -112,6 +113,9 @@ class ConversationTracker:
             for h in islice(reversed(hashes), self.max_scan):
                 prev = get(h)
                 if prev is not None:
+                    if h == prev.once:
+                        del tips[h]
+                        prev.held -= 1
                     break
         if prev is None:
             self.counters.new_conversations += 1
@@ -126,25 +130,25 @@ class ConversationTracker:
         return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
 
     @staticmethod
-    def tips_of(hashes: Sequence[Any], timing: TurnTiming, n_hit: int, full_blocks: int | None = None) -> tuple:
-        """The tips a prompt of block ``hashes`` leaves (see the module docstring).
+    def tips_of(hashes: Sequence[Any], n_hit: int, full_blocks: int | None = None) -> tuple:
+        """The tips a prompt of block ``hashes`` leaves, the one-shot earlier
+        tip first (see the module docstring).
 
-        ``timing``: its lookup's; ``n_hit``: its blocks found cached;
-        ``full_blocks``: how many of ``hashes`` are full blocks (a trace may
-        list a partial last block, which no continuation holds; None: all
-        are full, as in vLLM).
+        ``n_hit``: its blocks found cached; ``full_blocks``: how many of
+        ``hashes`` are full blocks (a trace may list a partial last block,
+        which no continuation holds; None: all are full, as in vLLM).
         """
         n = len(hashes) if full_blocks is None else max(0, min(len(hashes), full_blocks))
         if n == 0:
             return ()
-        if n >= 2 and timing.turn > 1 and n - 2 >= n_hit:
+        if n >= 2 and n - 2 >= n_hit:
             return (hashes[n - 2], hashes[n - 1])
         return (hashes[n - 1],)
 
     def finished(self, timing: TurnTiming, tip_hashes: Sequence[Any], prompt_blocks: int, now: float) -> None:
-        """A request released its blocks: its prompt's last full blocks become tips."""
+        """A request released its blocks: ``tip_hashes`` (``tips_of`` its prompt) become tips."""
         self.expire(now)
-        tip = _Tip(timing, prompt_blocks, now)
+        tip = _Tip(timing, prompt_blocks, now, once=tip_hashes[0] if len(tip_hashes) > 1 else None)
         tips = self.tips
         for h in tip_hashes:
             old = tips.get(h)
