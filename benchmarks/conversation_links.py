@@ -48,15 +48,6 @@ class LinkCounts:
         return self.right + self.wrong + self.false + self.missed + self.new
 
 
-def _continued_tip(tracker: ConversationTracker, hashes: list[Any]) -> Any:
-    """The tip ``tracker.lookup`` continues from, read before the lookup resolves it."""
-    for h in reversed(hashes[-tracker.max_scan :]):
-        tip = tracker.tips.get(h)
-        if tip is not None:
-            return tip
-    return None
-
-
 def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | None = None) -> LinkCounts:
     """Replay ``trace``'s lookups and finishes through a tracker; count its links."""
     if not trace.conversations:
@@ -84,13 +75,13 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
                 break
             n_hit += 1
         tracker.expire(now)
-        tip = _continued_tip(tracker, hashes)
+        found = tracker.continued(hashes)  # before the lookup resolves it
         timing = tracker.lookup(hashes, n_hit, now)
         before = req.conversation in seen_conversations
-        if tip is None:
+        if found is None:
             counts.missed += before
             counts.new += not before
-        elif conversation_of[id(tip)][1] == req.conversation:
+        elif conversation_of[id(found[1])][1] == req.conversation:
             counts.right += 1
         elif before:
             counts.wrong += 1

@@ -105,29 +105,35 @@ class ConversationTracker:
         # Tips past max_age_s are censored, not continued, even after a stretch
         # with no finish (which is where they are otherwise expired).
         self.expire(now)
-        tips = self.tips
-        prev: _Tip | None = None
+        found = self.continued(hashes)
         n = len(hashes)
-        if tips:
-            get = tips.get
-            for h in islice(reversed(hashes), self.max_scan):
-                prev = get(h)
-                if prev is not None:
-                    if h == prev.once:
-                        del tips[h]
-                        prev.held -= 1
-                    break
-        if prev is None:
+        if found is None:
             self.counters.new_conversations += 1
             start = min(n_hit, n - 1) if n else 0
             key = self.key_of(hashes[start]) if n else 0
             return TurnTiming(key, start, 1, None, None)
+        h, prev = found
+        if h == prev.once:
+            del self.tips[h]
+            prev.held -= 1
         self.counters.continuations += 1
         think = max(0.0, now - prev.finished)
         prev.resolved = True
         p = prev.timing
         growth = (n - prev.prompt_blocks) / max(1, prev.prompt_blocks)
         return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
+
+    def continued(self, hashes: Sequence[Any]) -> tuple[Any, _Tip] | None:
+        """The tip a prompt of block ``hashes`` continues and the hash that
+        found it, None for none; reads only (``lookup`` resolves it)."""
+        tips = self.tips
+        if tips:
+            get = tips.get
+            for h in islice(reversed(hashes), self.max_scan):
+                tip = get(h)
+                if tip is not None:
+                    return h, tip
+        return None
 
     @staticmethod
     def tips_of(hashes: Sequence[Any], n_hit: int, full_blocks: int | None = None) -> tuple:
