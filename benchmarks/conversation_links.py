@@ -12,7 +12,8 @@ which of its links are right.  Each request's lookup is counted as one of:
 * ``missed``: not linked, though its conversation had a request before;
 * ``new``: not linked, and its conversation's first request.
 
-Requests finish after the replay's lifetime model.  A request's cached prefix
+Requests finish when the replay's lifetime model says (by their next turn's
+arrival, :meth:`~vllm_wa.replay.lifetime.LifetimeModel.finish_times`).  A request's cached prefix
 is what an infinite cache would hold (it decides which blocks a request
 computed itself, and so whether a continuation leaves a second tip; a finite
 cache recomputes more of them).  ``--as-served`` gives the tracker each prompt's full
@@ -59,6 +60,7 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
     seen_conversations: set[int] = set()
     conversation_of: dict[int, tuple[Any, int]] = {}  # id(tip) -> (tip, its request's conversation)
     finishing: list[tuple[float, int, Any, tuple, int, int]] = []
+    finish = lifetime.finish_times(trace)
     for serial, req in enumerate(trace.requests):
         now = req.arrival
         while finishing and finishing[0][0] <= now:
@@ -90,8 +92,7 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
         seen_conversations.add(req.conversation)
         cached.update(hashes)
         tips = tracker.tips_of(hashes, n_hit, None if as_served else full)
-        done = now + lifetime.service_time(req)
-        heapq.heappush(finishing, (done, serial, timing, tips, len(hashes), req.conversation))
+        heapq.heappush(finishing, (float(finish[serial]), serial, timing, tips, len(hashes), req.conversation))
     return counts
 
 

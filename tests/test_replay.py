@@ -598,6 +598,59 @@ def test_lifetime_model():
         LifetimeModel(decode_tokens_per_s=0)
 
 
+def test_a_turn_finishes_by_the_arrival_of_the_turn_that_continues_it():
+    """The next turn carries the reply, so the reply had finished: a modelled
+    service time that runs past its arrival is cut there.  Only a request of
+    the same conversation that holds the last full block continues it."""
+    m = LifetimeModel(use_trace_service_time=False, prefill_tokens_per_s=1e9, decode_tokens_per_s=1.0)
+
+    def req(name, t, ids, n_in, conv, n_out=100):
+        return TraceRequest(name, t, array("q", ids), n_in, n_out, conversation=conv)
+
+    reqs = [
+        req("a", 0.0, [1, 2, 3], 40, conv=0),  # 2 full blocks of 16 and a partial one
+        req("other user", 2.0, [1, 2, 3, 4], 64, conv=1),  # holds a's prefix, another conversation
+        req("restart", 3.0, [9], 16, conv=0),  # a's conversation, not its prefix
+        req("a, turn 2", 5.0, [1, 2, 7, 8], 64, conv=0),  # rewrote a's partial block: continues a
+        req("a, turn 3", 50.0, [1, 2, 7, 8, 5], 80, conv=0, n_out=1),
+    ]
+    linked = Trace("t", 16, reqs, "test", conversations=True)
+    assert list(m.finish_times(linked)) == pytest.approx([5.0, 102.0, 103.0, 50.0, 51.0])
+    unlinked = Trace("t", 16, reqs, "test", conversations=False)
+    assert list(m.finish_times(unlinked)) == pytest.approx([100.0, 102.0, 103.0, 105.0, 51.0])
+    assert list(replace(m, end_by_next_turn=False).finish_times(linked)) == pytest.approx([100.0, 102.0, 103.0, 105.0, 51.0])
+
+
+def test_both_engines_link_a_turn_that_arrives_before_the_modelled_reply_ends(tmp_path, monkeypatch):
+    """Chat 1's 3,000-token reply would take 100 s at the model's decode rate;
+    its user answered after 10 s.  Holding chat 1's blocks until 100 s, the
+    replay read chat 2 as a new conversation."""
+    from vllm_wa.engine_patch.conversations import ConversationTracker
+
+    lines = [
+        bailian_line(chat=1, ts=0.0, n_in=64, n_out=3000, hashes=(1, 2, 3, 4)),
+        bailian_line(chat=2, parent=1, ts=10.0, n_in=96, hashes=(1, 2, 3, 4, 5, 6)),
+    ]
+    p = tmp_path / "early.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    trace = load_trace(str(p), "bailian")
+    lookup = ConversationTracker.lookup
+    seen: list[tuple[int, float]] = []
+
+    def recording(self, hashes, n_hit, now):
+        timing = lookup(self, hashes, n_hit, now)
+        seen.append((timing.turn, n_hit))
+        return timing
+
+    monkeypatch.setattr(ConversationTracker, "lookup", recording)
+    for engine in ("fast", "vllm"):
+        seen.clear()
+        cfg = ReplayConfig(engine=engine, profile_fraction=0.0)
+        setup = prepare(trace, ["wa-online"], cfg)
+        run_one(setup.trace, make_policy("wa-online", setup), 64, cfg, 0.0)
+        assert seen == [(1, 0), (2, 4)], engine
+
+
 def test_pinned_blocks_are_never_evicted_and_overflow_is_reported():
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 

@@ -6,13 +6,27 @@ it; otherwise a throughput model: the prompt is prefilled at
 ``prefill_tokens_per_s`` and the reply decoded at ``decode_tokens_per_s``.
 The model deliberately ignores cache hits, so every policy replays the same
 timeline and differences in hit rate come from eviction alone.
+
+A trace that names its conversations also says when a reply had finished at
+the latest: the next turn, which carries the reply, arrived.  A modelled
+service time that runs past that arrival is cut there
+(:meth:`LifetimeModel.finish_times`); otherwise the replay would hold a turn's
+blocks while its own continuation looks them up, and read the continuation
+as a new conversation (5.4 % of the synthetic Bailian trace's requests did).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_wa.replay.trace import TraceRequest
+import numpy as np
+
+from vllm_wa.replay.trace import Trace, TraceRequest
+
+# Turns of one conversation still waiting for their continuation; a
+# conversation whose prompts stop extending each other (a client that
+# compacts its history) drops the oldest.
+MAX_OPEN_TURNS = 64
 
 
 @dataclass(frozen=True)
@@ -21,6 +35,8 @@ class LifetimeModel:
     decode_tokens_per_s: float = 30.0
     min_service_s: float = 0.05
     use_trace_service_time: bool = True
+    # Cut a service time at the arrival of the turn that continues it (traces with conversation ids).
+    end_by_next_turn: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.decode_tokens_per_s <= 0 or self.min_service_s < 0:
@@ -33,3 +49,32 @@ class LifetimeModel:
             self.min_service_s,
             req.input_tokens / self.prefill_tokens_per_s + req.output_tokens / self.decode_tokens_per_s,
         )
+
+    def finish_times(self, trace: Trace) -> np.ndarray:
+        """Each request's finish time, in trace order.
+
+        A request's continuation is the first later request of its
+        conversation whose prompt holds the request's last full block at the
+        same position (so its whole full prefix); the request finishes by
+        that arrival.  Requests of traces without conversation ids, and
+        requests nothing continues, keep their modelled service time.
+        """
+        reqs = trace.requests
+        finish = np.fromiter((r.arrival + self.service_time(r) for r in reqs), dtype=np.float64, count=len(reqs))
+        if not (self.end_by_next_turn and trace.conversations):
+            return finish
+        open_turns: dict[int, list[tuple[int, int, int]]] = {}  # conversation -> (request, full blocks, last full id)
+        for j, req in enumerate(reqs):
+            waiting = open_turns.setdefault(req.conversation, [])
+            ids = req.hash_ids
+            still = []
+            for i, n, last in waiting:
+                if len(ids) >= n and ids[n - 1] == last:
+                    finish[i] = min(finish[i], req.arrival)
+                else:
+                    still.append((i, n, last))
+            n = trace.full_blocks(req)
+            if n > 0:
+                still.append((j, n, ids[n - 1]))
+            open_turns[req.conversation] = still[-MAX_OPEN_TURNS:]
+        return finish

@@ -10,6 +10,7 @@ measures its idle time from.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from typing import Any
 
@@ -33,7 +34,8 @@ def profile_trace(
     block last. Computed over all occurrences at once, grouped by block id.
     """
     lifetime = lifetime or LifetimeModel()
-    reqs = _in_window(trace.requests, since, until)
+    lo, hi = _in_window(trace.requests, since, until)
+    reqs = trace.requests[lo:hi]
     accesses: dict[str, int] = {}
     for r in reqs:
         accesses[r.tag] = accesses.get(r.tag, 0) + len(r.hash_ids)
@@ -46,7 +48,7 @@ def profile_trace(
     code = {c: i for i, c in enumerate(classes)}
     lengths = np.array([len(r.hash_ids) for r in reqs], dtype=np.int64)
     arrival = np.array([r.arrival for r in reqs], dtype=np.float64)
-    finish = np.array([r.arrival + lifetime.service_time(r) for r in reqs], dtype=np.float64)
+    finish = lifetime.finish_times(trace)[lo:hi]
     cls = np.array([code[r.tag] for r in reqs], dtype=np.int64)
     # Occurrences grouped by block id, each group in request order.
     order = np.argsort(ids, kind="stable")
@@ -75,16 +77,11 @@ def profile_trace(
     return params_from_counts(accesses, reuses, gaps)
 
 
-def _in_window(reqs: list[TraceRequest], since: float, until: float) -> list[TraceRequest]:
-    """The requests a scan in trace order profiles: from ``since``, stopping at the first at ``until``."""
-    out = []
-    for r in reqs:
-        if r.arrival < since:
-            continue
-        if r.arrival >= until:
-            break
-        out.append(r)
-    return out
+def _in_window(reqs: list[TraceRequest], since: float, until: float) -> tuple[int, int]:
+    """The slice of requests a scan in trace order profiles: from ``since``, stopping at the first at ``until``."""
+    lo = bisect.bisect_left(reqs, since, key=lambda r: r.arrival)
+    hi = bisect.bisect_left(reqs, until, lo=lo, key=lambda r: r.arrival)
+    return lo, hi
 
 
 def _block_ids(reqs: list[TraceRequest]) -> np.ndarray:

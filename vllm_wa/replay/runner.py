@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.params import WAParams
 from vllm_wa.replay.belady import next_use_table
@@ -134,13 +136,16 @@ def run_one(
     gc.disable()
     try:
         unserved: list[int] = []
+        finish = cfg.lifetime.finish_times(trace)
         for run in range(MAX_UNSERVED_PASSES):
             clock = SettableClock(trace.start)
             engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
             res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
             win_hits: dict[int, list[int]] = {}
             seen: list[int] = []
-            _replay_loop(trace, engine, policy, res, cfg, eval_start, win_hits, progress if run == 0 else None, clock, seen)
+            _replay_loop(
+                trace, finish, engine, policy, res, cfg, eval_start, win_hits, progress if run == 0 else None, clock, seen
+            )
             if not policy.replays_unserved or seen == unserved:
                 break
             # Told which requests will not fit, the policy replays the trace again
@@ -163,6 +168,7 @@ def run_one(
 
 def _replay_loop(
     trace: Trace,
+    finish: np.ndarray,
     engine: Any,
     policy: ReplayPolicy,
     res: RunResult,
@@ -173,9 +179,8 @@ def _replay_loop(
     clock: SettableClock,
     unserved: list[int],
 ) -> None:
-    """Replay every request; ``unserved`` collects the indices of those that did not fit."""
+    """Replay every request; ``finish`` holds their finish times, ``unserved`` collects those that did not fit."""
     bs = trace.block_size
-    lifetime = cfg.lifetime
     finishing: list[tuple[float, int]] = []
     reqs = trace.requests
     win = cfg.window_seconds
@@ -190,7 +195,7 @@ def _replay_loop(
         policy.advance(t)
         n_hit = engine.admit(i, req)
         if n_hit >= 0:
-            heapq.heappush(finishing, (t + lifetime.service_time(req), i))
+            heapq.heappush(finishing, (float(finish[i]), i))
         else:
             unserved.append(i)
         hit_tokens = min(n_hit * bs, req.input_tokens) if n_hit > 0 else 0
