@@ -91,7 +91,7 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
             counts.false += 1
         seen_conversations.add(req.conversation)
         cached.update(hashes)
-        tips = tracker.tips_of(hashes, n_hit, None if as_served else full)
+        tips = tracker.tips_of(hashes, n_hit, None if as_served else full, timing.start)
         heapq.heappush(finishing, (float(finish[serial]), serial, timing, tips, len(hashes), req.conversation))
     return counts
 

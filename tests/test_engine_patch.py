@@ -1088,6 +1088,61 @@ def test_a_shared_system_prompts_last_block_is_no_tip_of_a_request_that_found_it
     assert h.hook_errors == 0
 
 
+def test_a_first_request_that_found_all_its_full_blocks_cached_leaves_no_tip(clock):
+    """A first message shorter than the rest of the system prompt's last
+    block: the prompt's full blocks are all the system prompt's, cached.  Its
+    last full block was a tip, so every later user's first request read as
+    turn 2 (then 3, 4, ...) of one conversation, with think times between
+    strangers.  Now it leaves no tip: its own turn 2 reads as new, and its
+    turn 3 continues turn 2."""
+    m = make_manager(80)
+    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
+    system = tokens(0, 3, 0)
+    first = make_request("u0", system + tokens(500, 3))  # caches the system prompt
+    run_prefill(m, first)
+    finish(m, first)
+    clock.advance(1)
+    a = make_request("a", system + tokens(1000, 0, 5))  # 5 tokens of its own: no full block
+    run_prefill(m, a)
+    a_start = h.tagger._looked_up["a"].timing.start
+    finish(m, a)
+    turns = []
+    for i, user in enumerate(("b", "c")):
+        clock.advance(5)
+        other = make_request(user, system + tokens(2000 + 100 * i, 0, 7))
+        run_prefill(m, other)
+        turns.append(h.tagger._looked_up[user].timing.turn)
+        finish(m, other)
+    assert turns == [1, 1]
+    assert a_start == 3  # nothing of its own
+    a2_prompt = system + tokens(1000, 0, 5) + tokens(3000, 2)
+    a2 = make_request("a2", a2_prompt)
+    run_prefill(m, a2)
+    assert h.tagger._looked_up["a2"].timing.turn == 1  # the link it cannot see
+    finish(m, a2)
+    clock.advance(3)
+    a3 = make_request("a3", a2_prompt + tokens(4000, 1))
+    run_prefill(m, a3)
+    timing = h.tagger._looked_up["a3"].timing
+    assert (timing.turn, timing.think_s) == (2, 3.0)
+    assert h.hook_errors == 0
+
+
+def test_a_later_turns_cached_last_block_is_its_conversations_own_and_stays_a_tip():
+    """vLLM caches a reply's blocks, so a short follow-up can find all its
+    full blocks cached; past the conversation's start they are its own."""
+    t = ConversationTracker()
+    first = ["s1", "s2", "a1"]
+    timing = t.lookup(first, 2, 0.0)
+    assert timing.start == 2
+    t.finished(timing, t.tips_of(first, 2, own_from=timing.start), 3, 1.0)
+    second = [*first, "r1"]  # the reply's block, cached at decode
+    timing = t.lookup(second, 4, 2.0)
+    assert timing.turn == 2
+    t.finished(timing, t.tips_of(second, 4, own_from=timing.start), 4, 3.0)
+    assert t.lookup([*second, "x"], 4, 5.0).turn == 3
+
+
 def test_a_tip_is_censored_once_its_last_hash_leaves_the_index_and_never_when_continued():
     """A tip named by two hashes lost one to the index's capacity: it was
     counted as censored then, and as continued when the other hash was found."""
@@ -1110,6 +1165,9 @@ def test_tips_are_full_blocks_and_a_second_tip_only_one_the_request_computed():
     assert tips_of(["a1", "p"], n_hit=0, full_blocks=1) == ("a1",)
     assert tips_of(["p"], n_hit=0, full_blocks=0) == ()
     assert tips_of([], n_hit=0) == ()
+    # The last full block before the conversation's own part: shared, no tip.
+    assert tips_of(["s1", "s2", "p"], n_hit=2, full_blocks=2, own_from=2) == ()
+    assert tips_of(["s1", "s2", "a1"], n_hit=3, own_from=2) == ("a1",)
 
 
 def test_the_earlier_tip_serves_one_continuation_so_a_system_prompt_computed_cold_misleads_once():

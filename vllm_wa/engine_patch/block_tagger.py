@@ -333,7 +333,7 @@ class BlockTagger:
         timing = None
         if convs is not None:
             timing = convs.lookup(block_hashes, len(hit_blocks), now)
-            tips = convs.tips_of(block_hashes, len(hit_blocks), full_blocks)
+            tips = convs.tips_of(block_hashes, len(hit_blocks), full_blocks, timing.start)
             self._looked_up[rid] = _Lookup(now, timing, tips, len(block_hashes))
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))

@@ -21,7 +21,13 @@ the request found cached, and serves one continuation only: it may be a
 shared system prompt's last block (a first request computes it on a cold
 cache, or after an eviction), which every other user's first request holds
 too, and reading those as turn 2 of this conversation would give them
-another user's think time.
+another user's think time.  A first prompt that found all its full blocks
+cached (a system prompt and a message shorter than the rest of a block)
+leaves no tip at all: its last full block is the system prompt's, so any
+tip there would be taken by the next user's first request, not by its own
+turn 2, which reads as a new conversation instead.  A later turn's last full
+block is its conversation's own even when cached (vLLM caches the reply's
+blocks too), and stays a tip.
 
 A tip that ages out, is pushed out of the bounded index, or whose hashes a
 later prompt's tips take over, without a continuation, is counted as
@@ -109,8 +115,10 @@ class ConversationTracker:
         n = len(hashes)
         if found is None:
             self.counters.new_conversations += 1
-            start = min(n_hit, n - 1) if n else 0
-            key = self.key_of(hashes[start]) if n else 0
+            # Its own part starts where the cache's ends; a prompt that found
+            # every block cached has none (``start == n``: no tip, no chain).
+            start = min(n_hit, n)
+            key = self.key_of(hashes[min(start, n - 1)]) if n else 0
             return TurnTiming(key, start, 1, None, None)
         h, prev = found
         if h == prev.once:
@@ -136,16 +144,19 @@ class ConversationTracker:
         return None
 
     @staticmethod
-    def tips_of(hashes: Sequence[Any], n_hit: int, full_blocks: int | None = None) -> tuple:
+    def tips_of(hashes: Sequence[Any], n_hit: int, full_blocks: int | None = None, own_from: int = 0) -> tuple:
         """The tips a prompt of block ``hashes`` leaves, the one-shot earlier
         tip first (see the module docstring).
 
         ``n_hit``: its blocks found cached; ``full_blocks``: how many of
         ``hashes`` are full blocks (a trace may list a partial last block,
-        which no continuation holds; None: all are full, as in vLLM).
+        which no continuation holds; None: all are full, as in vLLM);
+        ``own_from``: where its conversation's own blocks start (its lookup's
+        ``TurnTiming.start``): a last full block before that is shared with
+        other conversations and is no tip.
         """
         n = len(hashes) if full_blocks is None else max(0, min(len(hashes), full_blocks))
-        if n == 0:
+        if n == 0 or n - 1 < own_from:
             return ()
         if n >= 2 and n - 2 >= n_hit:
             return (hashes[n - 2], hashes[n - 1])
