@@ -1088,14 +1088,16 @@ def test_a_shared_system_prompts_last_block_is_no_tip_of_a_request_that_found_it
     assert h.hook_errors == 0
 
 
-def test_a_first_request_that_found_all_its_full_blocks_cached_leaves_no_tip(clock):
+@pytest.mark.parametrize("eagle", [False, True])
+def test_a_first_request_that_found_all_its_full_blocks_cached_leaves_no_tip(clock, eagle):
     """A first message shorter than the rest of the system prompt's last
     block: the prompt's full blocks are all the system prompt's, cached.  Its
     last full block was a tip, so every later user's first request read as
     turn 2 (then 3, 4, ...) of one conversation, with think times between
     strangers.  Now it leaves no tip: its own turn 2 reads as new, and its
-    turn 3 continues turn 2."""
-    m = make_manager(80)
+    turn 3 continues turn 2.  With EAGLE vLLM drops the last matched block
+    from the hit, which the tracker must not read as the request's own."""
+    m = make_manager(80, use_eagle=eagle)
     h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
     system = tokens(0, 3, 0)
     first = make_request("u0", system + tokens(500, 3))  # caches the system prompt
@@ -1126,6 +1128,27 @@ def test_a_first_request_that_found_all_its_full_blocks_cached_leaves_no_tip(clo
     timing = h.tagger._looked_up["a3"].timing
     assert (timing.turn, timing.think_s) == (2, 3.0)
     assert h.hook_errors == 0
+
+
+def test_a_first_prompt_of_whole_cached_blocks_leaves_no_tip(clock):
+    """A prompt of whole blocks, all cached (a templated first message many
+    users send): vLLM recomputes its last token, so its last block is no hit,
+    though the cache holds it and it is no more this user's than the rest."""
+    m = make_manager(80)
+    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
+    shared = tokens(0, 4, 0)
+    first = make_request("u0", shared + tokens(900, 2))
+    run_prefill(m, first)
+    finish(m, first)
+    clock.advance(1)
+    a = make_request("a", list(shared))
+    run_prefill(m, a)
+    finish(m, a)
+    clock.advance(5)
+    b = make_request("b", shared + tokens(2000, 0, 7))
+    run_prefill(m, b)
+    assert h.tagger._looked_up["b"].timing.turn == 1
+    assert h.tagger.conversations.counters.continuations == 0
 
 
 def test_a_later_turns_cached_last_block_is_its_conversations_own_and_stays_a_tip():

@@ -601,7 +601,8 @@ def test_lifetime_model():
 def test_a_turn_finishes_by_the_arrival_of_the_turn_that_continues_it():
     """The next turn carries the reply, so the reply had finished: a modelled
     service time that runs past its arrival is cut there.  Only a request of
-    the same conversation that holds the last full block continues it."""
+    the same conversation that holds its full blocks continues it, or all but
+    the last and a rewritten last one (the tracker's earlier tip)."""
     m = LifetimeModel(use_trace_service_time=False, prefill_tokens_per_s=1e9, decode_tokens_per_s=1.0)
 
     def req(name, t, ids, n_in, conv, n_out=100):
@@ -612,7 +613,7 @@ def test_a_turn_finishes_by_the_arrival_of_the_turn_that_continues_it():
         req("other user", 2.0, [1, 2, 3, 4], 64, conv=1),  # holds a's prefix, another conversation
         req("restart", 3.0, [9], 16, conv=0),  # a's conversation, not its prefix
         req("a, turn 2", 5.0, [1, 2, 7, 8], 64, conv=0),  # rewrote a's partial block: continues a
-        req("a, turn 3", 50.0, [1, 2, 7, 8, 5], 80, conv=0, n_out=1),
+        req("a, turn 3", 50.0, [1, 2, 7, 6, 5], 80, conv=0, n_out=1),  # rewrote turn 2's last block
     ]
     linked = Trace("t", 16, reqs, "test", conversations=True)
     assert list(m.finish_times(linked)) == pytest.approx([5.0, 102.0, 103.0, 50.0, 51.0])
@@ -1220,6 +1221,7 @@ def _profile_by_scan(trace: Trace, until: float, lifetime: LifetimeModel, since:
     gaps: dict = defaultdict(list)
     finishing: list = []
     reqs = trace.requests
+    finish = lifetime.finish_times(trace)
     for i, r in enumerate(reqs):
         if r.arrival < since:
             continue
@@ -1239,33 +1241,46 @@ def _profile_by_scan(trace: Trace, until: float, lifetime: LifetimeModel, since:
             holders[h] += 1
             last_class[h] = r.tag
         accesses[r.tag] += len(r.hash_ids)
-        heapq.heappush(finishing, (r.arrival + lifetime.service_time(r), i))
+        heapq.heappush(finishing, (finish[i], i))
     return dict(accesses), dict(reuses), {c: list(g) for c, g in gaps.items()}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("ints", [True, False])
-def test_profile_counts_every_reuse_and_gap_the_scan_does(monkeypatch, seed, ints):
+@pytest.mark.parametrize("conversations", [False, True])
+def test_profile_counts_every_reuse_and_gap_the_scan_does(monkeypatch, seed, ints, conversations):
     """Reuses, gaps (in the order seen) and accesses per class equal the block-by-block scan's,
     through shared prefixes, a prompt that repeats a block, overlapping holders, finishes
-    that tie with arrivals, requests that finish as they arrive, and a window."""
+    that tie with arrivals, requests that finish as they arrive, turns cut short by their
+    continuation, and a window."""
     import random
 
     from vllm_wa.replay import profile as profile_mod
 
     rng = random.Random(seed)
     reqs, t = [], 0.0
+    last_ids: dict[int, list[int]] = {}
     for i in range(300):
         t += rng.choice([0.0, 0.5, 3.0, 40.0])
+        conv = rng.randrange(3)
         ids = [rng.randrange(40) for _ in range(rng.randrange(0, 6))]
+        if conv in last_ids and rng.random() < 0.3:
+            ids = last_ids[conv] + ids  # the conversation's next turn
+        last_ids[conv] = ids
         if ids and rng.random() < 0.2:
             ids.append(ids[0])  # a repeated block within the prompt
         hashes = array("q", ids) if ints else [f"b{x}" for x in ids]
         # Service times on the arrivals' grid (zero too): finishes that tie with arrivals.
         service = rng.choice([0.0, 0.5, 3.0, 40.0])
-        reqs.append(TraceRequest(f"r{i}", t, hashes, 32 * len(ids) + 1, 1, tag=rng.choice("abc"), service_time=service))
-    trace = Trace("t", 32, reqs, "test")
+        reqs.append(
+            TraceRequest(
+                f"r{i}", t, hashes, 32 * len(ids) + 1, 1, tag=rng.choice("abc"), conversation=conv, service_time=service
+            )
+        )
+    trace = Trace("t", 32, reqs, "test", conversations=conversations)
     lifetime = LifetimeModel(min_service_s=0.0)
+    cut = lifetime.finish_times(trace) < [r.arrival + r.service_time for r in reqs]
+    assert cut.any() == conversations
     seen = {}
     monkeypatch.setattr(profile_mod, "params_from_counts", lambda a, r, g: seen.update(a=a, r=r, g=g))
     for since, until in [(-math.inf, t / 2), (t / 4, t + 1.0)]:

@@ -302,6 +302,7 @@ class BlockTagger:
         extra_hits: Sequence[Sequence[KVCacheBlock]] = (),
         prompt_tokens: int = 0,
         full_blocks: int | None = None,
+        cached_blocks: int | None = None,
     ) -> None:
         """A request's prompt was matched: ``hit_blocks`` is its cached prefix.
 
@@ -309,6 +310,11 @@ class BlockTagger:
         (a partial last block is looked up too, and never hit).
         ``full_blocks``: how many of ``block_hashes`` are full blocks (a
         replayed trace lists a partial last block; None: all, as in vLLM).
+        ``cached_blocks``: how many of them the cache held, where vLLM's hit
+        stops short of that (EAGLE drops the last matched block; a prompt of
+        whole blocks recomputes its last token); the conversation tracker
+        reads it, to tell a prompt's own blocks from a shared prefix's.
+        None: ``len(hit_blocks)``.
 
         ``block_hashes`` are the prompt's block hashes; ``to_key`` maps the
         ones reported in the event to the form blocks hold (vLLM adds the
@@ -332,8 +338,9 @@ class BlockTagger:
         convs = self.conversations
         timing = None
         if convs is not None:
-            timing = convs.lookup(block_hashes, len(hit_blocks), now)
-            tips = convs.tips_of(block_hashes, len(hit_blocks), full_blocks, timing.start)
+            cached = len(hit_blocks) if cached_blocks is None else cached_blocks
+            timing = convs.lookup(block_hashes, cached, now)
+            tips = convs.tips_of(block_hashes, cached, full_blocks, timing.start)
             self._looked_up[rid] = _Lookup(now, timing, tips, len(block_hashes))
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))

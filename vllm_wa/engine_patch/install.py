@@ -42,6 +42,9 @@ TAG_KEY = "type_info"
 # tips are full blocks).  A served request never has it: vLLM hashes full
 # blocks only.
 REPLAY_FULL_BLOCKS = "_vllm_wa_full_blocks"
+# Blocks past vLLM's hit that a lookup probes for the conversation tracker:
+# EAGLE's dropped block and a whole-block prompt's recomputed last one.
+MAX_CUT_BLOCKS = 2
 _WRAPPED_MARK = "__vllm_wa_wrapped__"
 _install_lock = threading.Lock()
 
@@ -149,6 +152,14 @@ class WAHandle:
         hits = blocks[g] if blocks else []
         block_size = manager.coordinator.single_type_managers[g].block_size
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, block_size)
+        cached = len(hits)
+        if self.tagger.conversations is not None:
+            # vLLM may stop short of blocks it holds (EAGLE drops the last
+            # matched one; a prompt of whole blocks recomputes its last).
+            for h in hashes[cached : cached + MAX_CUT_BLOCKS]:
+                if self.block_pool.get_cached_block(h, [g]) is None:
+                    break
+                cached += 1
         self.tagger.on_lookup(
             self.request_tags(request),
             hits,
@@ -157,6 +168,7 @@ class WAHandle:
             extra_hits=others,
             prompt_tokens=request.num_tokens,
             full_blocks=getattr(request, REPLAY_FULL_BLOCKS, None),
+            cached_blocks=cached,
         )
 
     def on_free(self, manager: Any, request: Any) -> None:

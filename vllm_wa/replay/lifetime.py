@@ -8,16 +8,19 @@ The model deliberately ignores cache hits, so every policy replays the same
 timeline and differences in hit rate come from eviction alone.
 
 A trace that names its conversations also says when a reply had finished at
-the latest: the next turn, which carries the reply, arrived.  A modelled
-service time that runs past that arrival is cut there
+the latest: the next turn, which carries the reply, arrived.  A service time,
+modelled or recorded, that runs past that arrival is cut there
 (:meth:`LifetimeModel.finish_times`); otherwise the replay would hold a turn's
 blocks while its own continuation looks them up, and read the continuation
 as a new conversation (5.4 % of the synthetic Bailian trace's requests did).
+The agentic traces' recorded ``api_time`` runs past it in 34 requests of the
+development split, by at most 0.61 s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,27 +57,32 @@ class LifetimeModel:
         """Each request's finish time, in trace order.
 
         A request's continuation is the first later request of its
-        conversation whose prompt holds the request's last full block at the
-        same position (so its whole full prefix); the request finishes by
-        that arrival.  Requests of traces without conversation ids, and
-        requests nothing continues, keep their modelled service time.
+        conversation whose prompt holds the request's full blocks, or all but
+        the last of them and a block of its own in the last one's place (a
+        client that rewrote the end of its last block: the conversation
+        tracker's earlier tip); the request finishes by that arrival.
+        Requests of traces without conversation ids, and requests nothing
+        continues, keep their service time.
         """
         reqs = trace.requests
         finish = np.fromiter((r.arrival + self.service_time(r) for r in reqs), dtype=np.float64, count=len(reqs))
         if not (self.end_by_next_turn and trace.conversations):
             return finish
-        open_turns: dict[int, list[tuple[int, int, int]]] = {}  # conversation -> (request, full blocks, last full id)
+        # conversation -> (request, its full blocks, the id a continuation holds at position k)
+        open_turns: dict[int, list[tuple[int, int, int, Any]]] = {}
         for j, req in enumerate(reqs):
             waiting = open_turns.setdefault(req.conversation, [])
             ids = req.hash_ids
             still = []
-            for i, n, last in waiting:
-                if len(ids) >= n and ids[n - 1] == last:
+            for turn in waiting:
+                i, n, k, held = turn
+                if len(ids) >= n and ids[k] == held:
                     finish[i] = min(finish[i], req.arrival)
                 else:
-                    still.append((i, n, last))
+                    still.append(turn)
             n = trace.full_blocks(req)
             if n > 0:
-                still.append((j, n, ids[n - 1]))
+                k = max(0, n - 2)  # ids imply their prefix: holding block n-2 holds every earlier one
+                still.append((j, n, k, ids[k]))
             open_turns[req.conversation] = still[-MAX_OPEN_TURNS:]
         return finish
