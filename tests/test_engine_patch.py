@@ -7,6 +7,7 @@ import math
 import random
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1051,19 +1052,27 @@ def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_pre
     assert h.hook_errors == 0
 
 
+def _cached_system_prompt(clock, blocks: int = 3, **manager_kwargs) -> tuple[Any, Any, list[int]]:
+    """A real manager with the WA queue and a tracker, a system prompt of
+    ``blocks`` whole blocks cached by another user's finished request, and
+    the clock 1 s on."""
+    m = make_manager(80, **manager_kwargs)
+    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
+    system = tokens(0, blocks, 0)
+    first = make_request("u0", system + tokens(500, 3))
+    run_prefill(m, first)
+    finish(m, first)
+    clock.advance(1)
+    return m, h, system
+
+
 def test_a_shared_system_prompts_last_block_is_no_tip_of_a_request_that_found_it_cached(clock):
     """A first request adding one full block after a cached system prompt
     left the prompt's last block as its second tip: every later user's first
     request holds it, and read as turn 2 of that conversation, with its think
     time.  Only blocks a request computed itself are second tips, so a client
     that rewrote the end of its last block (turn 3 here) still continues."""
-    m = make_manager(80)
-    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
-    system = tokens(0, 3, 0)
-    first = make_request("u0", system + tokens(500, 3))  # caches the system prompt
-    run_prefill(m, first)
-    finish(m, first)
-    clock.advance(1)
+    m, h, system = _cached_system_prompt(clock)
     a = make_request("a", system + tokens(1000, 1))  # one full block of its own
     run_prefill(m, a)
     finish(m, a)
@@ -1097,13 +1106,7 @@ def test_a_first_request_that_found_all_its_full_blocks_cached_leaves_no_tip(clo
     strangers.  Now it leaves no tip: its own turn 2 reads as new, and its
     turn 3 continues turn 2.  With EAGLE vLLM drops the last matched block
     from the hit, which the tracker must not read as the request's own."""
-    m = make_manager(80, use_eagle=eagle)
-    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
-    system = tokens(0, 3, 0)
-    first = make_request("u0", system + tokens(500, 3))  # caches the system prompt
-    run_prefill(m, first)
-    finish(m, first)
-    clock.advance(1)
+    m, h, system = _cached_system_prompt(clock, use_eagle=eagle)
     a = make_request("a", system + tokens(1000, 0, 5))  # 5 tokens of its own: no full block
     run_prefill(m, a)
     a_start = h.tagger._looked_up["a"].timing.start
@@ -1134,13 +1137,7 @@ def test_a_first_prompt_of_whole_cached_blocks_leaves_no_tip(clock):
     """A prompt of whole blocks, all cached (a templated first message many
     users send): vLLM recomputes its last token, so its last block is no hit,
     though the cache holds it and it is no more this user's than the rest."""
-    m = make_manager(80)
-    h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
-    shared = tokens(0, 4, 0)
-    first = make_request("u0", shared + tokens(900, 2))
-    run_prefill(m, first)
-    finish(m, first)
-    clock.advance(1)
+    m, h, shared = _cached_system_prompt(clock, blocks=4)
     a = make_request("a", list(shared))
     run_prefill(m, a)
     finish(m, a)

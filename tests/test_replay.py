@@ -598,6 +598,29 @@ def test_lifetime_model():
         LifetimeModel(decode_tokens_per_s=0)
 
 
+def _tracker_lookups(trace: Trace, monkeypatch) -> dict[str, list[tuple[int, int]]]:
+    """Per replay engine, each lookup's (turn, cached blocks) in ``wa-online``'s conversation tracker."""
+    from vllm_wa.engine_patch.conversations import ConversationTracker
+
+    lookup = ConversationTracker.lookup
+    seen: list[tuple[int, int]] = []
+
+    def recording(self, hashes, n_hit, now):
+        timing = lookup(self, hashes, n_hit, now)
+        seen.append((timing.turn, n_hit))
+        return timing
+
+    monkeypatch.setattr(ConversationTracker, "lookup", recording)
+    got = {}
+    for engine in ("fast", "vllm"):
+        seen.clear()
+        cfg = ReplayConfig(engine=engine, profile_fraction=0.0)
+        setup = prepare(trace, ["wa-online"], cfg)
+        run_one(setup.trace, make_policy("wa-online", setup), 64, cfg, 0.0)
+        got[engine] = list(seen)
+    return got
+
+
 def test_a_turn_finishes_by_the_arrival_of_the_turn_that_continues_it():
     """The next turn carries the reply, so the reply had finished: a modelled
     service time that runs past its arrival is cut there.  Only a request of
@@ -626,8 +649,6 @@ def test_both_engines_link_a_turn_that_arrives_before_the_modelled_reply_ends(tm
     """Chat 1's 3,000-token reply would take 100 s at the model's decode rate;
     its user answered after 10 s.  Holding chat 1's blocks until 100 s, the
     replay read chat 2 as a new conversation."""
-    from vllm_wa.engine_patch.conversations import ConversationTracker
-
     lines = [
         bailian_line(chat=1, ts=0.0, n_in=64, n_out=3000, hashes=(1, 2, 3, 4)),
         bailian_line(chat=2, parent=1, ts=10.0, n_in=96, hashes=(1, 2, 3, 4, 5, 6)),
@@ -635,20 +656,7 @@ def test_both_engines_link_a_turn_that_arrives_before_the_modelled_reply_ends(tm
     p = tmp_path / "early.jsonl"
     p.write_text("\n".join(lines) + "\n")
     trace = load_trace(str(p), "bailian")
-    lookup = ConversationTracker.lookup
-    seen: list[tuple[int, float]] = []
-
-    def recording(self, hashes, n_hit, now):
-        timing = lookup(self, hashes, n_hit, now)
-        seen.append((timing.turn, n_hit))
-        return timing
-
-    monkeypatch.setattr(ConversationTracker, "lookup", recording)
-    for engine in ("fast", "vllm"):
-        seen.clear()
-        cfg = ReplayConfig(engine=engine, profile_fraction=0.0)
-        setup = prepare(trace, ["wa-online"], cfg)
-        run_one(setup.trace, make_policy("wa-online", setup), 64, cfg, 0.0)
+    for engine, seen in _tracker_lookups(trace, monkeypatch).items():
         assert seen == [(1, 0), (2, 4)], engine
 
 
@@ -902,8 +910,6 @@ def test_both_engines_give_the_conversation_tracker_full_blocks_only(tmp_path, m
     holds it, so it is no tip, on either engine.  Chat 3 is another user's
     first request after the cached system prompt (1, 2, 3); chat 5 rewrote
     the end of chat 4's last full block (31) and continues from 30."""
-    from vllm_wa.engine_patch.conversations import ConversationTracker
-
     lines = [
         bailian_line(chat=1, ts=0.0, n_in=83, hashes=(1, 2, 3, 50, 51, 52)),
         bailian_line(chat=2, ts=10.0, n_in=64, hashes=(1, 2, 3, 10)),
@@ -914,21 +920,8 @@ def test_both_engines_give_the_conversation_tracker_full_blocks_only(tmp_path, m
     p = tmp_path / "tips.jsonl"
     p.write_text("\n".join(lines) + "\n")
     trace = load_trace(str(p), "bailian")
-    lookup = ConversationTracker.lookup
-    turns: list[int] = []
-
-    def recording(self, hashes, n_hit, now):
-        timing = lookup(self, hashes, n_hit, now)
-        turns.append(timing.turn)
-        return timing
-
-    monkeypatch.setattr(ConversationTracker, "lookup", recording)
-    for engine in ("fast", "vllm"):
-        turns.clear()
-        cfg = ReplayConfig(engine=engine, profile_fraction=0.0)
-        setup = prepare(trace, ["wa-online"], cfg)
-        run_one(setup.trace, make_policy("wa-online", setup), 64, cfg, 0.0)
-        assert turns == [1, 1, 1, 2, 3], engine
+    for engine, seen in _tracker_lookups(trace, monkeypatch).items():
+        assert [turn for turn, _ in seen] == [1, 1, 1, 2, 3], engine
 
 
 def test_both_engines_tell_wa_online_the_replys_length(agentic):
