@@ -243,6 +243,25 @@ def test_replacement_leaves_only_a_candidate_that_trails_the_field():
         assert tuner.switches[-1].reason == "replace" and tuner.demotions == 0
 
 
+def test_replacement_takes_the_largest_measured_lead_among_those_that_clear_its_bar():
+    """b and c both beat the running a over the demotion window: c by a steady
+    5 points (its bound is its lead), b by 15 points on average but unevenly.
+    b's bound is the lower, its lead the larger: the tuner moves to b."""
+    names = [LRU, "a", "b", "c"]
+    tuner = Tuner(names, SETTINGS)
+    tuner.active, tuner.active_since = "a", 0.0
+    for k in range(10):  # ten 30-s batches of 100 sampled lookups
+        tuner.record(30.0 * k + 1.0, 100, [30, 40, 41 if k % 2 else 69, 45])
+    now = 300.0
+    since = tuner._running_window(now)
+    b, c = tuner.hits.compare("b", "a", since), tuner.hits.compare("c", "a", since)
+    q = tuner._replace_quantile(b.batches)
+    assert b.lead > c.lead and SETTINGS.margin < b.lower(q) < c.lower(q)
+    sw = tuner.decide(now)
+    assert sw is not None and sw.reason == "replace" and sw.to_candidate == "b"
+    assert sw.lead == pytest.approx(b.lead) and tuner.active == "b"
+
+
 def test_compare_median_is_the_per_batch_median_of_the_group():
     hits = PairedHits([LRU, "a", "b", "c", "d"], batch_s=30.0, keep_s=300.0)
     for k in range(4):  # four batches of 100 lookups each
