@@ -557,7 +557,9 @@ class Tuner:
         least with the running one's: on the agentic split at 15 % it chose,
         of two with bounds 0.0044 and 0.0037 and leads 0.0221 and 0.0230, the
         one LRU demoted 26 minutes later (docs/results.md, "Replacement by
-        the measured lead").
+        the measured lead"). A promotion keeps the largest bound: its looks
+        clear different bars (full window, short look), and one away from LRU
+        is the guard-rail's decision.
         """
         s = self.settings
         if self.active == LRU or not s.replace_confidence:
