@@ -16,6 +16,7 @@ import pytest
 from vllm_wa.cli import main as cli_main
 from vllm_wa.cli import sample_path
 from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.kv_block import hash_of
 from vllm_wa.params import WAParams
 from vllm_wa.replay.lifetime import LifetimeModel
@@ -600,8 +601,6 @@ def test_lifetime_model():
 
 def _tracker_lookups(trace: Trace, monkeypatch) -> dict[str, list[tuple[int, int]]]:
     """Per replay engine, each lookup's (turn, cached blocks) in ``wa-online``'s conversation tracker."""
-    from vllm_wa.engine_patch.conversations import ConversationTracker
-
     lookup = ConversationTracker.lookup
     seen: list[tuple[int, int]] = []
 
