@@ -19,12 +19,23 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.engine_patch.conversations import ConversationTracker
 from vllm_wa.kv_block import hash_of
 from vllm_wa.params import WAParams
+from vllm_wa.replay import runner
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_format, load_trace
 from vllm_wa.replay.parallel import map_jobs, worker_count
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
-from vllm_wa.replay.runner import ReplayConfig, make_policy, prepare, resolve_sizes, run_one, swap_tags, sweep
+from vllm_wa.replay.runner import (
+    ReplayConfig,
+    make_policy,
+    peak_demand,
+    prepare,
+    resolve_sizes,
+    run_one,
+    scout_unserved,
+    swap_tags,
+    sweep,
+)
 from vllm_wa.replay.trace import Trace, TraceRequest, renumber_ids
 from vllm_wa.sim.block_pool import SimBlockPool
 
@@ -956,6 +967,38 @@ def test_overflow_counted_when_pinned_blocks_fill_the_cache():
     assert res.requests == 6 and res.overflow == 4
     res = run_one(_tiny_trace(0.5), ReplayPolicy("lru"), 9, cfg, eval_start=0.0)
     assert res.overflow == 0
+
+
+def test_the_scout_finds_the_requests_that_do_not_fit_and_skips_pools_none_can_overflow():
+    cfg = ReplayConfig(profile_fraction=0.0)
+    pinned = _tiny_trace(pinned_s=100.0)
+    finish = cfg.lifetime.finish_times(pinned)
+    assert peak_demand(pinned, finish) == 24  # six prompts of four blocks, all running at once
+    assert peak_demand(_tiny_trace(0.5), cfg.lifetime.finish_times(_tiny_trace(0.5))) == 4
+    assert scout_unserved(pinned, 9, cfg, finish) == [2, 3, 4, 5]  # 8 usable blocks: two prompts
+    assert scout_unserved(pinned, 25, cfg, finish) == []  # 24 usable: all fit
+
+
+def test_opt_told_the_scouts_set_replays_once_with_the_same_hits(monkeypatch):
+    """The LRU scout saves ``opt`` the Belady pass that only found which
+    requests do not fit; the hits are those of the passes without it."""
+    setup = prepare(load_trace(AGENTIC), ["opt"], ReplayConfig())
+    (size,) = resolve_sizes("1%", setup.trace, setup.eval_start)
+    passes: list[str] = []
+    loop = runner._replay_loop
+
+    def counted(*args, **kwargs):
+        passes.append(args[3].name)
+        return loop(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_replay_loop", counted)
+    scouted = run_one(setup.trace, make_policy("opt", setup), size, setup.cfg, setup.eval_start)
+    assert passes == ["lru", "opt"] and scouted.overflow > 0
+    passes.clear()
+    monkeypatch.setattr(runner, "scout_unserved", lambda *args: [])
+    unscouted = run_one(setup.trace, make_policy("opt", setup), size, setup.cfg, setup.eval_start)
+    assert passes == ["opt", "opt"]
+    assert (scouted.hit_blocks, scouted.overflow) == (unscouted.hit_blocks, unscouted.overflow)
 
 
 # ---- engines and baselines ---------------------------------------------------------------------------

@@ -114,7 +114,8 @@ class OptPolicy(ReplayPolicy):
 
     The future includes which requests will not fit the pool (its pinned
     blocks leave too few): they hit nothing, so their prompts are no reason
-    to keep a block.  The first pass finds them; the next runs without them.
+    to keep a block.  An LRU replay finds them first (``runner.scout_unserved``);
+    a pass that finds others than it was told runs again without those.
     """
 
     next_req: Any = None
