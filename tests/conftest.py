@@ -17,6 +17,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_wa.replay import runner
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.kv_manager import model_free_kv_cache_manager
 
@@ -55,6 +56,20 @@ def _init_none_hash():
 @pytest.fixture
 def clock() -> SettableClock:
     return SettableClock()
+
+
+@pytest.fixture
+def replay_passes(monkeypatch) -> list[str]:
+    """The name of the policy each replay pass of ``run_one`` runs, in order."""
+    passes: list[str] = []
+    loop = runner._replay_loop
+
+    def counted(*args, **kwargs):
+        passes.append(args[3].name)
+        return loop(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_replay_loop", counted)
+    return passes
 
 
 def make_manager(num_blocks: int, block_size: int = 16, **kwargs) -> KVCacheManager:

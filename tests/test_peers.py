@@ -736,23 +736,15 @@ def test_a_served_trace_replays_on_vllms_manager_whichever_engine_is_asked(tmp_p
     assert fast.hit_tokens == on_vllm.hit_tokens > 0
 
 
-def test_opt_on_a_served_trace_is_scouted_although_its_prompts_alone_fit(tmp_path, monkeypatch):
+def test_opt_on_a_served_trace_is_scouted_although_its_prompts_alone_fit(tmp_path, replay_passes):
     """A served request also holds its reply's slots, so prompts that never
     fill the pool can still overflow it: the scout must not be skipped there."""
     trace = served_result(tmp_path / "served.json")
     cfg = replay_config(ReplayConfig(engine="vllm"))
     setup = prepare(trace, ["opt"], cfg)
     assert runner.peak_demand(setup.trace, cfg.lifetime.finish_times(setup.trace)) < 22  # prompts fit
-    passes: list[str] = []
-    loop = runner._replay_loop
-
-    def counted(*args, **kwargs):
-        passes.append(args[3].name)
-        return loop(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "_replay_loop", counted)
     r = run_one(setup.trace, make_policy("opt", setup), 22, cfg, setup.eval_start)
-    assert r.overflow > 0 and passes == ["lru", "opt"]
+    assert r.overflow > 0 and replay_passes == ["lru", "opt"]
 
 
 def test_peers_on_a_served_trace_index_only_the_blocks_vllm_caches(tmp_path):

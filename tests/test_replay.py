@@ -979,25 +979,17 @@ def test_the_scout_finds_the_requests_that_do_not_fit_and_skips_pools_none_can_o
     assert scout_unserved(pinned, 25, cfg, finish) == []  # 24 usable: all fit
 
 
-def test_opt_told_the_scouts_set_replays_once_with_the_same_hits(monkeypatch):
+def test_opt_told_the_scouts_set_replays_once_with_the_same_hits(monkeypatch, replay_passes):
     """The LRU scout saves ``opt`` the Belady pass that only found which
     requests do not fit; the hits are those of the passes without it."""
     setup = prepare(load_trace(AGENTIC), ["opt"], ReplayConfig())
     (size,) = resolve_sizes("1%", setup.trace, setup.eval_start)
-    passes: list[str] = []
-    loop = runner._replay_loop
-
-    def counted(*args, **kwargs):
-        passes.append(args[3].name)
-        return loop(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "_replay_loop", counted)
     scouted = run_one(setup.trace, make_policy("opt", setup), size, setup.cfg, setup.eval_start)
-    assert passes == ["lru", "opt"] and scouted.overflow > 0
-    passes.clear()
+    assert replay_passes == ["lru", "opt"] and scouted.overflow > 0
+    replay_passes.clear()
     monkeypatch.setattr(runner, "scout_unserved", lambda *args: [])
     unscouted = run_one(setup.trace, make_policy("opt", setup), size, setup.cfg, setup.eval_start)
-    assert passes == ["opt", "opt"]
+    assert replay_passes == ["opt", "opt"]
     assert (scouted.hit_blocks, scouted.overflow) == (unscouted.hit_blocks, unscouted.overflow)
 
 
