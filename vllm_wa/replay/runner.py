@@ -149,13 +149,27 @@ def scout_unserved(trace: Trace, num_blocks: int, cfg: ReplayConfig, finish: np.
     """
     if trace.fmt != "served" and peak_demand(trace, finish) < num_blocks:  # the null block takes one
         return []
-    scout = ReplayPolicy("lru")
-    clock = SettableClock(trace.start)
-    engine = make_engine(cfg.engine, trace, scout, num_blocks, clock)
-    res = RunResult(trace.name, scout.name, num_blocks, cfg.engine)
-    seen: list[int] = []
-    _replay_loop(trace, finish, engine, scout, res, replace(cfg, window_seconds=None), math.inf, {}, None, clock, seen)
+    _, _, seen = _replay_pass(trace, finish, ReplayPolicy("lru"), num_blocks, cfg, math.inf, None)
     return seen
+
+
+def _replay_pass(
+    trace: Trace,
+    finish: np.ndarray,
+    policy: ReplayPolicy,
+    num_blocks: int,
+    cfg: ReplayConfig,
+    eval_start: float,
+    progress: Callable[[int], None] | None,
+) -> tuple[RunResult, dict[int, list[int]], list[int]]:
+    """One replay of the whole trace on a fresh pool: its counts, per-window hits, and unserved requests."""
+    clock = SettableClock(trace.start)
+    engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
+    res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
+    win_hits: dict[int, list[int]] = {}
+    seen: list[int] = []
+    _replay_loop(trace, finish, engine, policy, res, cfg, eval_start, win_hits, progress, clock, seen)
+    return res, win_hits, seen
 
 
 def run_one(
@@ -183,13 +197,8 @@ def run_one(
             if unserved:
                 policy.skip_unserved(trace, unserved)
         for run in range(MAX_UNSERVED_PASSES):
-            clock = SettableClock(trace.start)
-            engine = make_engine(cfg.engine, trace, policy, num_blocks, clock)
-            res = RunResult(trace.name, policy.name, num_blocks, cfg.engine)
-            win_hits: dict[int, list[int]] = {}
-            seen: list[int] = []
-            _replay_loop(
-                trace, finish, engine, policy, res, cfg, eval_start, win_hits, progress if run == 0 else None, clock, seen
+            res, win_hits, seen = _replay_pass(
+                trace, finish, policy, num_blocks, cfg, eval_start, progress if run == 0 else None
             )
             if not policy.replays_unserved or seen == unserved:
                 break
