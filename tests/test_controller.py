@@ -1334,6 +1334,18 @@ def test_a_drift_detector_takes_odd_gaps_without_failing():
     assert drift.drifts >= 1
 
 
+def test_a_drift_detector_sees_the_median_log_gap_of_each_lookup():
+    """One value per lookup: the median of its finite gaps' logs (clamped
+    at zero), taken as the log of the median gap."""
+    drift = LookupDrift()
+    seen: list[float] = []
+    drift._adwin = SimpleNamespace(update=seen.append, drift_detected=False)
+    drift.update([30.0, -4.0, math.inf, 2.0, 500.0])  # finite, sorted: -4, 2, 30, 500
+    drift.update([-1.0, -3.0])
+    drift.update([7.0])
+    assert seen == [math.log1p(30.0), 0.0, math.log1p(7.0)]
+
+
 def test_the_real_cache_check_reads_only_requests_both_caches_could_fit():
     """A prompt larger than the miniature cache is predicted no hit there,
     while the real lookup counted the hits it found before the real cache

@@ -54,10 +54,15 @@ class LookupDrift:
         """The gaps (s) of the blocks one lookup brought back; True when the detector fired."""
         # A clock that stepped back gives a negative gap: as the observations
         # bin it, a reuse at once; a value that is not a number is left out.
-        logs = sorted(math.log1p(max(0.0, g)) for g in gaps if math.isfinite(g))
-        if not logs:
+        # The clamp and the log are monotone, so the median log gap is the log
+        # of the median gap: one log per lookup, not one per block (this runs
+        # for every class key at every lookup that finds reuses).
+        if not all(map(math.isfinite, gaps)):
+            gaps = [g for g in gaps if math.isfinite(g)]
+        if not gaps:
             return False
-        self._adwin.update(logs[len(logs) // 2])
+        mid = sorted(gaps)[len(gaps) // 2]
+        self._adwin.update(math.log1p(max(0.0, mid)))
         if self._adwin.drift_detected:
             self.drifts += 1
             return True
