@@ -26,6 +26,14 @@ check never fires in it.
         [--controller-config C] [--jobs J]
     python benchmarks/tuner_paths.py replay DIR/*.json.gz [--set replace_confidence=0.99 ...] \
         [--drop NAME ...] [--switches]
+
+``leads`` asks whether any rule could have moved from one candidate to
+another: the lead of ``--a`` over ``--b`` in sliding windows of the
+recording, with the one-sided lower bound the tuner's statistics give it
+(the same batches and batch-means error, :func:`~vllm_wa.controller.batch_stats.batch_lead`):
+
+    python benchmarks/tuner_paths.py leads DIR/x.json.gz --a NAME --b NAME [--windows 1800,2700,3600] \
+        [--step 300] [--confidence 0.99]
 """
 
 from __future__ import annotations
@@ -33,11 +41,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import numpy as np
+from scipy.stats import norm
+
+from vllm_wa.controller.batch_stats import Comparison, batch_lead
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.tuner import LRU, Switch, Tuner, TunerSettings
 from vllm_wa.replay.loaders import AgenticOptions
@@ -177,6 +190,71 @@ def parse_overrides(items: list[str]) -> dict[str, float | bool]:
     return out
 
 
+# ---- leads -------------------------------------------------------------------------------------
+
+
+def window_leads(
+    doc: dict[str, Any], a: str, b: str, window_s: float, step_s: float
+) -> list[tuple[float, Comparison]]:
+    """``a``'s lead over ``b`` over each ``window_s`` seconds of the recording
+    that ends at a multiple of ``step_s`` (from the first full window on), in
+    the tuner's batches of ``batch_s`` seconds."""
+    names = doc["names"]
+    missing = [n for n in (a, b) if n not in names]
+    if missing:
+        raise ValueError(f"no candidate {missing}: candidates are {names}")
+    rows = np.asarray(doc["rows"], dtype=np.float64)
+    if not len(rows):
+        return []
+    batch_s = float(doc["settings"]["batch_s"])
+    batch = (rows[:, 0] // batch_s).astype(np.int64)
+    first, k = int(batch.min()), int(batch.max() - batch.min()) + 1
+    ia, ib = 2 + names.index(a), 2 + names.index(b)
+    requests = np.bincount(batch - first, minlength=k)
+    lookups = np.bincount(batch - first, rows[:, 1], minlength=k)
+    diffs = np.bincount(batch - first, rows[:, ia] - rows[:, ib], minlength=k)
+    out = []
+    end = max(window_s, step_s * math.ceil(first * batch_s / step_s))
+    last = float(rows[-1, 0])
+    while end - step_s < last:
+        lo = max(0, int((end - window_s) // batch_s) - first)
+        hi = max(0, int(end // batch_s) - first)
+        busy = requests[lo:hi] > 0  # the tuner keeps batches with requests only
+        cmp = batch_lead(lookups[lo:hi][busy], diffs[lo:hi][busy], int(requests[lo:hi].sum()))
+        out.append((end, cmp))
+        end += step_s
+    return out
+
+
+def print_leads(args: argparse.Namespace) -> int:
+    if not 0.5 <= args.confidence < 1.0 or args.step <= 0:
+        raise SystemExit("--confidence takes a number in [0.5, 1), --step a positive number of seconds")
+    try:
+        windows = [float(x) for x in args.windows.split(",")]
+    except ValueError:
+        raise SystemExit(f"--windows takes seconds separated by commas, got {args.windows!r}") from None
+    with gzip.open(args.recording, "rt") as f:
+        doc = json.load(f)
+    z = float(norm.ppf(args.confidence))
+    print(f"lead of {args.a} over {args.b} (points), lower bound at one-sided {args.confidence:g}")
+    best: tuple[float, float, float] | None = None
+    for window in windows:
+        try:
+            looks = window_leads(doc, args.a, args.b, window, args.step)
+        except ValueError as e:
+            raise SystemExit(f"{args.recording}: {e}") from None
+        cells = []
+        for end, cmp in looks:
+            lb = cmp.lower(z)
+            cells.append(f"{end:.0f}:{100 * cmp.lead:+.2f}/{100 * lb:+.2f}")
+            if math.isfinite(lb) and (best is None or lb > best[0]):
+                best = (lb, end, window)
+        print(f"{window:6.0f} s  " + " ".join(cells))
+    if best is not None:
+        print(f"best bound {100 * best[0]:+.2f} points, window {best[2]:.0f} s ending at {best[1]:.0f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -193,7 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a TunerSettings field")
     q.add_argument("--switches", action="store_true", help="print every switch")
     q.add_argument("--drop", action="append", default=[], metavar="NAME", help="leave a candidate out (by name)")
+    w = sub.add_parser("leads", help="one candidate's lead over another in sliding windows of a recording")
+    w.add_argument("recording")
+    w.add_argument("--a", required=True, help="the candidate whose lead is measured (by name)")
+    w.add_argument("--b", required=True, help="the candidate it is measured against (by name)")
+    w.add_argument("--windows", default="1800,2700,3600", help="window lengths in seconds")
+    w.add_argument("--step", type=float, default=300.0, help="seconds between window ends")
+    w.add_argument("--confidence", type=float, default=0.99, help="one-sided confidence of the lower bound")
     args = p.parse_args(argv)
+    if args.cmd == "leads":
+        return print_leads(args)
     if args.cmd == "record":
         os.makedirs(args.out, exist_ok=True)
         stem = os.path.basename(args.trace).split(".")[0]

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pytest
 
-from vllm_wa.controller.tuner import LRU, TunerSettings
+from vllm_wa.controller.tuner import LRU, PairedHits, TunerSettings
 from vllm_wa.replay.no_signal import no_signal_trace
 
 from conftest import load_benchmark
@@ -104,3 +104,36 @@ def test_a_dropped_candidate_is_left_out_of_the_path(bench):
     for bad in (("lru",), ("c",)):
         with pytest.raises(ValueError, match="cannot drop"):
             bench.replay(doc, bench.settings_from(doc, {}), drop=bad)
+
+
+def test_window_leads_are_the_tuners_comparisons_over_each_window(bench):
+    """``leads``: the lead and error the tuner itself would compute over each
+    window; a window before the lead begins reads none, one after it reads it."""
+    doc = recording(lead_from=1800.0)
+    looks = bench.window_leads(doc, "a", LRU, 900.0, 300.0)
+    assert [end for end, _ in looks] == [900.0 + 300.0 * k for k in range(10)]
+    by_end = dict(looks)
+    assert by_end[1800.0].lead == 0.0 and by_end[1800.0].lower(2.33) <= 0.0  # the same hits until 1,800 s
+    assert by_end[3600.0].lead == pytest.approx(0.10, abs=0.02) and by_end[3600.0].lower(2.33) > 0.05
+    # The same numbers as the tuner's own paired comparison over that window.
+    hits = PairedHits([LRU, "a"], doc["settings"]["batch_s"], 900.0)
+    for t, n, *h in doc["rows"]:
+        if t >= 2700.0:
+            break
+        hits.add(t, n, h)
+    assert hits.compare("a", LRU, 1800.0) == by_end[2700.0]
+    with pytest.raises(ValueError, match="no candidate"):
+        bench.window_leads(doc, "b", LRU, 900.0, 300.0)
+
+
+def test_leads_prints_each_window_and_the_best_bound(bench, tmp_path, capsys):
+    path = tmp_path / "r.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(recording(lead_from=1800.0), f)
+    assert bench.main(["leads", str(path), "--a", "a", "--b", LRU, "--windows", "600,900"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:2] == ["600", "s"] and out[2].split()[:2] == ["900", "s"]
+    assert out[-1].startswith("best bound +") and "ending at" in out[-1]
+    for bad in (["--windows", "30m"], ["--confidence", "1.5"], ["--b", "nobody"]):
+        with pytest.raises(SystemExit):
+            bench.main(["leads", str(path), "--a", "a", "--b", LRU, *bad])
