@@ -30,7 +30,7 @@ check never fires in it.
 ``leads`` asks whether any rule could have moved from one candidate to
 another: the lead of ``--a`` over ``--b`` in sliding windows of the
 recording, with the one-sided lower bound the tuner's statistics give it
-(the same batches and batch-means error, :func:`~vllm_wa.controller.batch_stats.batch_lead`):
+(its own :class:`~vllm_wa.controller.tuner.PairedHits`, fed the recorded rows):
 
     python benchmarks/tuner_paths.py leads DIR/x.json.gz --a NAME --b NAME [--windows 1800,2700,3600] \
         [--step 300] [--confidence 0.99]
@@ -47,12 +47,11 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import numpy as np
 from scipy.stats import norm
 
-from vllm_wa.controller.batch_stats import Comparison, batch_lead
+from vllm_wa.controller.batch_stats import Comparison
 from vllm_wa.controller.config import ControllerConfig
-from vllm_wa.controller.tuner import LRU, Switch, Tuner, TunerSettings
+from vllm_wa.controller.tuner import LRU, PairedHits, Switch, Tuner, TunerSettings
 from vllm_wa.replay.loaders import AgenticOptions
 from vllm_wa.replay.parallel import map_jobs
 from vllm_wa.replay.runner import ReplayConfig, resolve_sizes, run_one
@@ -197,32 +196,24 @@ def window_leads(
     doc: dict[str, Any], a: str, b: str, window_s: float, step_s: float
 ) -> list[tuple[float, Comparison]]:
     """``a``'s lead over ``b`` over each ``window_s`` seconds of the recording
-    that ends at a multiple of ``step_s`` (from the first full window on), in
-    the tuner's batches of ``batch_s`` seconds."""
+    that ends at a multiple of ``step_s`` (from the first full window on): the
+    rows fed to the tuner's own :class:`PairedHits`, compared at each end."""
     names = doc["names"]
     missing = [n for n in (a, b) if n not in names]
     if missing:
         raise ValueError(f"no candidate {missing}: candidates are {names}")
-    rows = np.asarray(doc["rows"], dtype=np.float64)
-    if not len(rows):
+    rows = doc["rows"]
+    if not rows:
         return []
-    batch_s = float(doc["settings"]["batch_s"])
-    batch = (rows[:, 0] // batch_s).astype(np.int64)
-    first, k = int(batch.min()), int(batch.max() - batch.min()) + 1
-    ia, ib = 2 + names.index(a), 2 + names.index(b)
-    requests = np.bincount(batch - first, minlength=k)
-    lookups = np.bincount(batch - first, rows[:, 1], minlength=k)
-    diffs = np.bincount(batch - first, rows[:, ia] - rows[:, ib], minlength=k)
+    hits = PairedHits(names, float(doc["settings"]["batch_s"]), window_s)
     out = []
-    end = max(window_s, step_s * math.ceil(first * batch_s / step_s))
-    last = float(rows[-1, 0])
-    while end - step_s < last:
-        lo = max(0, int((end - window_s) // batch_s) - first)
-        hi = max(0, int(end // batch_s) - first)
-        busy = requests[lo:hi] > 0  # the tuner keeps batches with requests only
-        cmp = batch_lead(lookups[lo:hi][busy], diffs[lo:hi][busy], int(requests[lo:hi].sum()))
-        out.append((end, cmp))
-        end += step_s
+    end = max(window_s, step_s * math.ceil(rows[0][0] / step_s))
+    for t, n, *h in rows:
+        while t >= end:
+            out.append((end, hits.compare(a, b, end - window_s)))
+            end += step_s
+        hits.add(t, int(n), h)
+    out.append((end, hits.compare(a, b, end - window_s)))  # the window the last rows end in
     return out
 
 
