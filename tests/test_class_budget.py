@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from conftest import finish, make_manager, make_request, run_prefill
+from conftest import finish, make_hybrid_manager, make_manager, make_request, run_prefill
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch import block_tagger
 from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.engine_patch.install import install_wa_queue
+from vllm_wa.serving.engine_side import match_api_reports
 from vllm_wa.workload_classes import ClassRegistry
 
 BS = 16
@@ -55,6 +56,22 @@ def test_over_cap_counts_each_request_once(clock):
     assert h.tagger.tag_counters.over_cap == 2
     serve(m, "again", 9000, "t3")
     assert h.tagger.tag_counters.over_cap == 3
+
+
+def test_a_release_over_the_class_cap_counts_once_whatever_its_kv_cache_groups(clock):
+    """A hybrid model (full attention and a sliding window) files each release
+    once per KV-cache group; ``releases_over_class_cap`` counts releases."""
+    m = make_hybrid_manager(64)
+    reg = ClassRegistry(max_classes=4)  # default, invalid, other + 1
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg, class_key=FeatureKey(("tag", "outcome")))
+    assert len(m.kv_cache_config.kv_cache_groups) == 2
+    serve(m, "fits", 0, "t0", n_blocks=3)
+    assert h.tagger.releases_over_class_cap == 0
+    serve(m, "over", 5000, "t1", n_blocks=3)
+    serve(m, "over again", 9000, "t2", n_blocks=3)
+    assert h.tagger.releases_over_class_cap == 2
+    assert h.hook_errors == 0
+    h.queue.check_invariants()
 
 
 def test_preempted_request_is_counted_once(clock):
@@ -262,4 +279,21 @@ def test_a_late_outcome_after_a_key_change_refiles_into_its_class_not_other(cloc
     assert h.tagger.reclassify("late2", "tool") == 2
     assert h.tagger.refiles_over_class_cap == 1 and h.tagger.releases_over_class_cap == 0
     assert h.queue.free_blocks_by_class()["other"] == 2
+    h.queue.check_invariants()
+
+
+def test_one_late_outcome_over_the_class_cap_counts_once_for_all_children_of_an_n_request(clock):
+    """The children of an ``n > 1`` request (engine ids ``0_x``, ``1_x``) move
+    together on one report; ``refiles_over_class_cap`` counts that report once."""
+    m = make_manager(80)
+    reg = ClassRegistry(max_classes=5)  # default, invalid, other + 2
+    h = install_wa_queue(m.block_pool, clock=clock, registry=reg, class_key=FeatureKey(("tag", "outcome")))
+    match_api_reports(h.tagger)
+    serve(m, "0_call-1a2b3c4d", 0, "a_1")
+    serve(m, "1_call-1a2b3c4d", 1000, "a_1")  # the same class: a_1.o:stop
+    serve(m, "filler", 2000, "b_1")  # the registry is full now
+    assert h.tagger.releases_over_class_cap == 0
+    assert h.tagger.reclassify("call", "tool") == 4  # both children's two blocks, to other
+    assert h.queue.free_blocks_by_class()["other"] == 4
+    assert h.tagger.refiles_over_class_cap == 1
     h.queue.check_invariants()

@@ -467,9 +467,11 @@ class BlockTagger:
         if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
         started = look.at if look is not None else None
-        reported = self.file_blocks(req, blocks, now, started=started)
+        reported, over_cap = self._file(req, blocks, now, started, report=True)
         for group in extra_groups:
-            self.file_blocks(req, group, now, started=started, report=False)
+            over_cap |= self._file(req, group, now, started, report=False)[1]
+        if over_cap:  # once per release, however many KV-cache groups it holds
+            self.releases_over_class_cap += 1
         if not finished:
             # Preempted: the request goes on. A late outcome waits for its real
             # release, and consumers (the miniature caches) still hold it.
@@ -562,6 +564,21 @@ class BlockTagger:
         ``report`` False (a hybrid model's further KV-cache groups) the
         blocks make no events: no FREED now and, under hash sampling, no EVICTED later.
         """
+        reported, over_cap = self._file(req, blocks, now, started, report=report)
+        if over_cap:
+            self.releases_over_class_cap += 1
+        return reported
+
+    def _file(
+        self,
+        req: RequestTags,
+        blocks: Sequence[KVCacheBlock],
+        now: float | None,
+        started: float | None,
+        *,
+        report: bool,
+    ) -> tuple[tuple[tuple[int, Any, int], ...], bool]:
+        """:meth:`file_blocks`, uncounted: also says whether a block went to ``other`` (registry full)."""
         queue = self.queue
         sink = self.sink
         key = self.class_key
@@ -580,18 +597,16 @@ class BlockTagger:
         over_cap = self._mark_classes(key, req, blocks, now)
         if over_cap and self._claim_after_key_change(now):
             over_cap = self._mark_classes(key, req, blocks, now)
-        if over_cap:
-            self.releases_over_class_cap += 1
         if sink is None:
-            return ()
+            return (), over_cap
         if not report:
             sampled, flagged = queue.sampled, queue.sampled_hash
             for b in blocks:
                 # Flagged as not sampled under the hash it holds, until it holds another.
                 flagged[b.block_id] = b.wa_block_hash
                 sampled[b.block_id] = 0
-            return ()
-        return self._emit_freed(req, blocks, now, [] if self._remember else None)
+            return (), over_cap
+        return self._emit_freed(req, blocks, now, [] if self._remember else None), over_cap
 
     def _mark_classes(self, key: ClassKeyFunction, req: RequestTags, blocks: Sequence[KVCacheBlock], now: float) -> bool:
         """Mark each released block with its class id; True when one went to ``other`` (registry full)."""
@@ -729,15 +744,22 @@ class BlockTagger:
         group = self.request_group
         latest = group(recs[-1].tags.request_id)
         # A fact it already carries changes nothing (the same report twice, or the engine's own outcome).
-        return sum(
-            self._reclassify(rec, outcome)
-            for rec in recs
-            if group(rec.tags.request_id) == latest
-            and rec.tags.outcome not in ENGINE_FINAL_OUTCOMES
-            and rec.tags.outcome != outcome
-        )
+        moved, over_cap = 0, False
+        for rec in recs:
+            if (
+                group(rec.tags.request_id) == latest
+                and rec.tags.outcome not in ENGINE_FINAL_OUTCOMES
+                and rec.tags.outcome != outcome
+            ):
+                n, over = self._reclassify(rec, outcome)
+                moved += n
+                over_cap |= over
+        if over_cap:  # once per report, however many children of an n > 1 request it moved
+            self.refiles_over_class_cap += 1
+        return moved
 
-    def _reclassify(self, rec: _FreedRequest, outcome: str) -> int:
+    def _reclassify(self, rec: _FreedRequest, outcome: str) -> tuple[int, bool]:
+        """Refile one remembered release; returns the blocks moved and whether one went to ``other``."""
         req = replace(rec.tags, outcome=outcome)
         rec.tags = req
         self.reclassified_requests += 1
@@ -767,14 +789,12 @@ class BlockTagger:
                     queue.block_class[bid] = cid
                 else:
                     by_class.setdefault(cid, []).append(b)
-        if over_cap:
-            self.refiles_over_class_cap += 1
         moved = 0
         for cid, bs in by_class.items():
             # Refile in free order (oldest first) so scans from the tail stay short.
             bs.sort(key=lambda b: queue.stamp[b.block_id])
             moved += queue.refile(bs, cid)
-        return moved
+        return moved, over_cap
 
     def _refile_class(self, name: str, now: float) -> int | None:
         """The id of a refiled block's class; None when the registry is full,
