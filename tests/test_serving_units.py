@@ -27,6 +27,7 @@ from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
 
 from conftest import finish, make_manager, make_request, run_prefill
+from serving_harness import Engine
 
 
 def test_external_request_ids():
@@ -605,3 +606,26 @@ def test_a_content_length_that_is_not_ascii_digits_is_left_to_the_streams_count(
     assert asyncio.run(read_body(Req("\u00b2"), 100)) == b'{"mode": "auto"}'
     # Over the limit: refused before the stream is read.
     assert asyncio.run(read_body(Req("500"), 100)) is None
+    # int() refuses over 4,300 digits (httptools passes such a header on).
+    assert asyncio.run(read_body(Req("0" * 5000 + "16"), 100)) == b'{"mode": "auto"}'
+    assert asyncio.run(read_body(Req("9" * 5000), 100)) is None
+    assert asyncio.run(read_body(Req("0" * 5000 + "101"), 100)) is None
+    assert asyncio.run(read_body(Req("100"), 100)) == b'{"mode": "auto"}'
+
+
+def test_the_configs_seed_params_run_in_the_queue_until_the_first_refit(tmp_path):
+    """``seed_params`` in the config: the live queue runs them, as GET
+    /wa/params reports, until the tuner's first choice (LRU first) replaces
+    them, exactly as a --wa-params file does."""
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"a": {"agent_1": 0.02, "chat_1": 1.0}, "p": {"agent_1": 0.9, "chat_1": 0.1}}))
+    e = Engine(ControllerConfig(seed_params=str(seed), refit_interval_s=1.0), ServingSettings(online=True))
+    state = engine_side.wa_get_state(e.core)
+    live = e.handle.queue.params
+    assert state["params_source"] == live.source == "pr-json"
+    assert sorted(live.models) == sorted(state["params"]["a"]) == ["agent_1", "chat_1"]
+    e.clock.advance(1.0)
+    e.controller.refit()
+    live = e.handle.queue.params
+    assert live.source == "online:lru" and not live.models
+    assert engine_side.wa_get_state(e.core)["params_source"] == "online:lru"

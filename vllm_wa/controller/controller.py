@@ -127,9 +127,13 @@ def start_online(
     initial = next(c for c in config.all_candidates if c.name == config.initial)
     key = candidate_key(initial) or DEFAULT_KEY
     conversations = ConversationTracker(max_age_s=config.max_watch_s, key_of=sink.sample_value)
-    queue, tagger = install(sink, registry, key, conversations)
     if prior is None and config.seed_params:
         prior = WAParams.load(config.seed_params, max_classes=config.max_classes)
+    queue, tagger = install(sink, registry, key, conversations)
+    if prior is not None and queue.params is not prior:
+        # The config's seed: the queue runs what the controller reports as
+        # running (the prior, until the first refit), as with --wa-params.
+        queue.set_params(prior)
 
     def apply(params: WAParams, class_key: ClassKey | None) -> None:
         if class_key is not None:

@@ -47,12 +47,23 @@ def api_key_ok(request: Request) -> bool:
     return cached[1].verify_token(request.headers)
 
 
+def _declares_more_than(length: str | None, limit: int) -> bool:
+    """Whether a Content-Length header says more than ``limit`` bytes.
+
+    ASCII digits only: ``"²".isdigit()`` is true and ``int("²")`` raises; and
+    ``int()`` refuses over 4,300 digits, so leading zeros are dropped and a
+    longer number is compared by its length.  Any other header is left to the
+    stream's count.
+    """
+    if length is None or not (length.isascii() and length.isdigit()):
+        return False
+    digits = length.lstrip("0")
+    return len(digits) > len(str(limit)) or int(digits or "0") > limit
+
+
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The body, or None as soon as it is known to exceed ``limit`` bytes."""
-    length = request.headers.get("content-length")
-    # ASCII digits only: "²".isdigit() is true and int("²") raises.  (Any
-    # other header is left to the stream's count below.)
-    if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
+    if _declares_more_than(request.headers.get("content-length"), limit):
         return None
     chunks: list[bytes] = []
     size = 0
