@@ -17,6 +17,7 @@ from vllm.v1.request import RequestStatus
 from vllm_wa.engine_patch import EventKind, EventSink, WorkloadAwareFreeQueue, block_tagger
 from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
 from vllm_wa.engine_patch.conversations import ConversationTracker
+from vllm_wa.engine_patch.events import FreedEvent, LookupEvent
 from vllm_wa.engine_patch.install import (
     get_wa_handle,
     install_wa_queue,
@@ -949,6 +950,34 @@ def test_full_sink_drops_and_counts_without_blocking(clock):
     assert h.hook_errors == 0
     # Requests were all served and freed normally.
     assert m.block_pool.get_num_free_blocks() == 29
+
+
+def test_sink_bounds_the_hashes_its_queued_events_carry_not_only_their_number(clock):
+    """A stalled consumer holds at most ``hash_capacity`` hashes of long
+    prompts' lookups, however few the events; draining frees the room."""
+    m = make_manager(200)
+    sink = EventSink(capacity=1000, hash_capacity=20)  # every block sampled
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink)
+    for i in range(4):  # 8 full blocks each: lookups of 8 hashes
+        r = make_request(f"r{i}", tokens(1000 * i, 8, 1))
+        run_prefill(m, r)
+        finish(m, r)
+    lookups = [e for e in list(sink._queue) if e.kind == EventKind.LOOKUP]
+    assert [len(e.hashes) for e in lookups] == [8, 8]  # the third and fourth would pass 20
+    assert sink.queued_hashes == 16 and sink.dropped == 2
+    assert h.hook_errors == 0 and m.block_pool.get_num_free_blocks() == 199
+    sink.drain(max_events=1)  # the first lookup
+    assert sink.queued_hashes == 8
+    sink.drain()
+    assert sink.queued_hashes == 0
+    # One event larger than the bound is taken when nothing else is held.
+    big = LookupEvent(EventKind.LOOKUP, 0.0, "big", "t", tuple(range(30)), ())
+    assert sink.emit(big) and sink.queued_hashes == 30
+    assert not sink.emit(big._replace(request_id="big2")) and sink.dropped == 3
+    assert sink.emit(FreedEvent(EventKind.FREED, 0.0, 1, None, 0, 0))  # carries no sequence
+    with pytest.raises(ValueError, match="hash_capacity"):
+        EventSink(hash_capacity=0)
+    assert EventSink(capacity=4).hash_capacity == 32
 
 
 def test_sampled_events_follow_the_hash_sample(clock):

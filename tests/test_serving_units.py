@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY
+from serving_harness import Engine
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.request import RequestStatus
 
@@ -27,7 +29,6 @@ from vllm_wa.serving.pin_request import parse_pin_request
 from vllm_wa.serving.settings import MAX_OUTCOME_REPORTS_PER_CALL, ServingSettings
 
 from conftest import finish, make_manager, make_request, run_prefill
-from serving_harness import Engine
 
 
 def test_external_request_ids():
@@ -629,3 +630,35 @@ def test_the_configs_seed_params_run_in_the_queue_until_the_first_refit(tmp_path
     live = e.handle.queue.params
     assert live.source == "online:lru" and not live.models
     assert engine_side.wa_get_state(e.core)["params_source"] == "online:lru"
+
+
+def test_the_engines_run_the_config_and_params_the_api_server_checked(tmp_path, monkeypatch):
+    """Each --wa-* file is read once: a pipe (``--wa-config <(render)``) gives
+    its content only once, and a file edited after the check must not reach
+    the engines unchecked.  The settings name private copies of the bytes
+    that were checked."""
+    from vllm_wa.serving import plugin
+    from vllm_wa.serving.settings import ENV_CONFIG, ENV_ONLINE, ENV_PARAMS
+
+    monkeypatch.setattr(api_side, "install", lambda settings: None)
+    for name in (ENV_ONLINE, ENV_CONFIG, ENV_PARAMS):  # restored after the test (export() sets them)
+        monkeypatch.setenv(name, "0" if name == ENV_ONLINE else "")
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b"[controller]\nrefit_interval_s = 1.0\nmax_classes = 16\n")
+    os.close(write_fd)
+    params = tmp_path / "p.json"
+    params.write_text(json.dumps({"a": {"agent_1": 0.02}, "p": {"agent_1": 0.9}}))
+    try:
+        settings = plugin.enable_online(
+            SimpleNamespace(wa_online=True, wa_config=f"/dev/fd/{read_fd}", wa_params=str(params))
+        )
+    finally:
+        os.close(read_fd)
+    params.write_text("not json any more")  # edited after the check
+    assert ServingSettings.from_env() == settings
+    config = settings.controller_config()
+    assert (config.refit_interval_s, config.max_classes) == (1.0, 16)
+    assert settings.snapshot_max_age_s == 1.0
+    assert settings.params_path != str(params)
+    assert sorted(WAParams.load(settings.params_path, max_classes=config.max_classes).models) == ["agent_1"]
+    assert os.stat(os.path.dirname(settings.params_path)).st_mode & 0o077 == 0  # private to its user

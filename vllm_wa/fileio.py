@@ -30,10 +30,14 @@ READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, UnicodeDecodeError
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """Parse a TOML file; raises ``OSError`` or :data:`TOMLDecodeError` (a
-    file that is not UTF-8 too: ``tomllib`` would raise ``UnicodeDecodeError``)."""
+    """Parse a TOML file; raises ``OSError`` or what :func:`parse_toml` raises."""
     with open(path, "rb") as f:
-        data = f.read()
+        return parse_toml(f.read())
+
+
+def parse_toml(data: bytes) -> dict[str, Any]:
+    """Parse a TOML file's bytes; raises :data:`TOMLDecodeError` (bytes that are
+    not UTF-8 too: ``tomllib`` would raise ``UnicodeDecodeError``)."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:

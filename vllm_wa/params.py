@@ -461,15 +461,19 @@ class WAParams:
     @classmethod
     def load(cls, path: str, *, max_classes: int | None = None, **overrides: Any) -> WAParams:
         """Read a params file (:meth:`from_pr_json`)."""
+        return cls.parse(read_params_bytes(path), path, max_classes=max_classes, **overrides)
+
+    @classmethod
+    def parse(cls, data: bytes, source: str, *, max_classes: int | None = None, **overrides: Any) -> WAParams:
+        """A params file's content; ``source`` (its path) names it in errors."""
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ParamsError(f"cannot read params file {path}: {e}") from e
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ParamsError(f"cannot read params file {source}: {e}") from e
         try:
             return cls.from_pr_json(text, max_classes=max_classes, **overrides)
         except ParamsError as e:
-            raise ParamsError(f"{path}: {e}") from None
+            raise ParamsError(f"{source}: {e}") from None
 
     def to_pr_json(self) -> dict[str, Any]:
         """The PR's format, plus the extension keys this project reads back."""
@@ -487,6 +491,15 @@ class WAParams:
         if mixtures:
             out["mixture"] = mixtures
         return out
+
+
+def read_params_bytes(path: str) -> bytes:
+    """A params file's bytes, read once (a pipe gives them only once)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ParamsError(f"cannot read params file {path}: {e}") from e
 
 
 def _model_from_json(obj: Any) -> ReuseModel:

@@ -13,7 +13,7 @@ from vllm_wa.controller.estimators import FAMILIES
 from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES, FeatureKey
 from vllm_wa.controller.learned_key import MAX_LEARNED_CLASSES
 from vllm_wa.controller.tuner import TunerSettings
-from vllm_wa.fileio import TOMLDecodeError, read_toml
+from vllm_wa.fileio import TOMLDecodeError, parse_toml
 from vllm_wa.params import SCORE_MODES, STAMPS
 from vllm_wa.validation import check_number
 from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES, MAX_CLASS_CAP
@@ -113,6 +113,7 @@ class ControllerConfig:
     # forgetting; also makes drift cuts forget by free time). Opt-in: see
     # configs/controller.toml for what it changes in the measured hit rates.
     weigh_by_free_time: bool = False
+    # Events the sink holds (and 8 block hashes per event: EventSink.hash_capacity).
     event_capacity: int = 1 << 17
     max_classes: int = DEFAULT_MAX_CLASSES
     class_retire_s: float = 1800.0
@@ -311,13 +312,25 @@ class ControllerConfig:
 
     @classmethod
     def load(cls, path: str) -> ControllerConfig:
+        return cls.parse(read_config_bytes(path), path)
+
+    @classmethod
+    def parse(cls, data: bytes, source: str) -> ControllerConfig:
+        """A config file's content; ``source`` (its path) names it in errors."""
         try:
-            data = read_toml(path)
-        except OSError as e:
-            raise ConfigError(f"cannot read controller config {path}: {e}") from e
+            parsed = parse_toml(data)
         except (TOMLDecodeError, ValueError) as e:  # ValueError: an integer past Python's digit limit
-            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+            raise ConfigError(f"{source}: not valid TOML: {e}") from e
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(parsed)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(f"{source}: {e}") from None
+
+
+def read_config_bytes(path: str) -> bytes:
+    """A config file's bytes, read once (a pipe gives them only once)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read controller config {path}: {e}") from e

@@ -143,6 +143,17 @@ class OutcomeEvent(NamedTuple):
 Event = FreedEvent | EvictedEvent | LookupEvent | FinishedEvent | OutcomeEvent
 
 
+def carried_hashes(event: Event) -> int:
+    """How many block hashes an event carries in its sequences (a lookup's
+    prompt and chain, an outcome's blocks): what its size grows with."""
+    kind = event[0]
+    if kind == EventKind.LOOKUP:
+        return len(event[4]) + len(event[5])
+    if kind == EventKind.OUTCOME:
+        return len(event[4])
+    return 0
+
+
 def hash_sample_value(block_hash: Any) -> int:
     """A stable 64-bit value of a block hash, for spatial sampling.
 
@@ -189,12 +200,24 @@ class EventSink:
     # another value draws another sample of the same size (a replay measures
     # how much a result owes to the sample drawn).
     salt: int = 0
+    # Block hashes that the queued lookup and outcome events may carry in
+    # all (None: 8 per event slot).  A stalled consumer then holds at most
+    # ``capacity`` events and this many hashes, however long the prompts.
+    hash_capacity: int | None = None
     dropped: int = 0
     _queue: deque = field(default_factory=deque, repr=False)
+    # Hashes carried by the events queued so far and by those drained: each
+    # written by one thread (producer, consumer), so no lock.
+    _hashes_in: int = field(default=0, repr=False)
+    _hashes_out: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, int) or self.capacity <= 0:
             raise ValueError(f"capacity must be a positive integer, got {self.capacity!r}")
+        if self.hash_capacity is None:
+            self.hash_capacity = 8 * self.capacity
+        if not isinstance(self.hash_capacity, int) or self.hash_capacity <= 0:
+            raise ValueError(f"hash_capacity must be a positive integer, got {self.hash_capacity!r}")
         if not 0.0 < float(self.sample_rate) <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
         self._threshold = int(float(self.sample_rate) * (1 << 64))
@@ -274,11 +297,20 @@ class EventSink:
         return conversation < self._chain_threshold
 
     def emit(self, event: Event) -> bool:
-        """Queue an event; never blocks.  Returns False if it was dropped."""
+        """Queue an event; never blocks.  Returns False if it was dropped: the
+        queue is full, or the event's hashes would take the queued ones past
+        ``hash_capacity`` (one event alone is always taken)."""
         q = self._queue
         if len(q) >= self.capacity:
             self.dropped += 1
             return False
+        n = carried_hashes(event)
+        if n:
+            held = self._hashes_in - self._hashes_out
+            if held and held + n > self.hash_capacity:
+                self.dropped += 1
+                return False
+            self._hashes_in += n
         q.append(event)
         return True
 
@@ -293,7 +325,13 @@ class EventSink:
                 out.append(popleft())
             except IndexError:
                 break
+        self._hashes_out += sum(map(carried_hashes, out))
         return out
+
+    @property
+    def queued_hashes(self) -> int:
+        """Block hashes the queued events carry (what ``hash_capacity`` bounds)."""
+        return self._hashes_in - self._hashes_out
 
     def __len__(self) -> int:
         return len(self._queue)

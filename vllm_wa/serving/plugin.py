@@ -145,17 +145,23 @@ def enable_online(args: Any) -> ServingSettings:
 
     Raises ``SystemExit`` with the reason when the server must not start.
     """
-    from vllm_wa.controller.config import ConfigError, ControllerConfig
+    from vllm_wa.controller.config import ConfigError, ControllerConfig, read_config_bytes
     from vllm_wa.engine_patch.compat import UnsupportedVLLMError, check_vllm_version
-    from vllm_wa.params import ParamsError, WAParams
+    from vllm_wa.params import ParamsError, WAParams, read_params_bytes
+    from vllm_wa.serving.start_files import private_copy
 
+    config_path = getattr(args, "wa_config", None)
+    params_path = getattr(args, "wa_params", None)
     try:
         check_vllm_version()
-        config = ControllerConfig.load(args.wa_config) if getattr(args, "wa_config", None) else ControllerConfig()
+        # Each file is read once; the engines get a private copy of the bytes checked here.
+        config_bytes = read_config_bytes(config_path) if config_path else None
+        config = ControllerConfig.parse(config_bytes, config_path) if config_bytes is not None else ControllerConfig()
         if config.seed_params:  # what the engine core would load 60 s later
             WAParams.load(config.seed_params, max_classes=config.max_classes)
-        if getattr(args, "wa_params", None):
-            WAParams.load(args.wa_params, max_classes=config.max_classes)
+        params_bytes = read_params_bytes(params_path) if params_path else None
+        if params_bytes is not None:
+            WAParams.parse(params_bytes, params_path, max_classes=config.max_classes)
         metrics_interval = metrics_interval_from_env()
     except (UnsupportedVLLMError, ConfigError, ParamsError, SettingsError) as e:
         raise SystemExit(f"vllm-wa: refusing to start with --wa-online: {e}") from None
@@ -163,8 +169,8 @@ def enable_online(args: Any) -> ServingSettings:
         raise SystemExit("vllm-wa: --wa-online needs prefix caching; drop --no-enable-prefix-caching")
     settings = ServingSettings(
         online=True,
-        config_path=getattr(args, "wa_config", None),
-        params_path=getattr(args, "wa_params", None),
+        config_path=private_copy(config_bytes, "controller.toml") if config_bytes is not None else None,
+        params_path=private_copy(params_bytes, "params.json") if params_bytes is not None else None,
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
         metrics_interval_s=metrics_interval,
         bench_outcome_hints=bool(getattr(args, "wa_bench_outcome_hints", False)),
@@ -175,5 +181,8 @@ def enable_online(args: Any) -> ServingSettings:
 
     api_side.install(settings)
     _install_outcome_hints(settings)
-    logger.info("vllm-wa: --wa-online enabled (pinning %s)", "allowed" if settings.allow_pin else "disabled")
+    logger.info(
+        "vllm-wa: --wa-online enabled (config %s, parameters %s, read once; pinning %s)",
+        config_path or "default", params_path or "none", "allowed" if settings.allow_pin else "disabled",
+    )
     return settings
