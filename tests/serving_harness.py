@@ -111,7 +111,7 @@ class InProcessEngineClient:
 
 def make_app(
     engines: list[Engine], settings: ServingSettings, *, api_key: str | None = API_KEY, max_age_s: float = 60.0,
-    clock: Any = None,
+    clock: Any = None, api_state: Any = api_side.api_state,
 ) -> tuple[FastAPI, InProcessEngineClient, EngineSnapshots]:
     client = InProcessEngineClient(engines)
     kw = {"clock": clock} if clock is not None else {}
@@ -120,7 +120,7 @@ def make_app(
     app.state.args = Namespace(api_key=[api_key] if api_key else None)
     app.state.engine_client = client
     max_classes = engines[0].handle.registry.max_classes
-    app.include_router(make_router(settings, snapshots, max_classes, api_side.api_state))
+    app.include_router(make_router(settings, snapshots, max_classes, api_state))
     return app, client, snapshots
 
 

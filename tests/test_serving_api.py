@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from serving_harness import API_KEY, Engine, make_app
 from vllm_wa.controller.config import ControllerConfig
+from vllm_wa.serving import params_api
 from vllm_wa.serving.metrics import WACollector
 from vllm_wa.serving.pin_request import MAX_PIN_BODY_BYTES
 from vllm_wa.serving.settings import ServingSettings
@@ -211,9 +212,38 @@ def test_get_answers_non_finite_numbers_as_null(engine):
     app, _, snapshots = make_app([engine], SETTINGS)
     with TestClient(app) as http:
         http.get("/wa/params", headers=AUTH)
-        snapshots.engines[0]["state"]["odd"] = [float("inf"), {"x": float("nan")}, 1.5]
+        first = snapshots.engines[0]
+        # What the next fetch brings (a fetch replaces the list).
+        snapshots.engines = [{**first, "state": {**first["state"], "odd": [float("inf"), {"x": float("nan")}, 1.5]}}]
         r = http.get("/wa/params", headers=AUTH)
     assert r.status_code == 200 and r.json()["engines"][0]["odd"] == [None, {"x": None}, 1.5]
+
+
+def test_get_renders_the_engines_state_once_per_fetch_and_its_own_counters_each_time(engine, monkeypatch):
+    """A public GET must not cost a walk of every class per request."""
+    rendered = []
+    render = params_api.render_json
+    monkeypatch.setattr(params_api, "render_json", lambda obj: rendered.append(obj) or render(obj))
+    counters = {"n": 0}
+
+    def api_state():
+        counters["n"] += 1
+        return {"answered": counters["n"]}
+
+    app, client, snapshots = make_app([engine], SETTINGS, api_state=api_state)
+    with TestClient(app) as http:
+        bodies = [http.get("/wa/params", headers=AUTH).json() for _ in range(5)]
+        engine.controller.refit()
+        fresh = http.get("/wa/params", headers=AUTH)  # unchanged: no new fetch yet
+        snapshots.fetched_at = float("-inf")  # the copy is stale: the next GET fetches
+        after = http.get("/wa/params", headers=AUTH).json()
+    assert client.calls["wa_get_snapshot"] == 2
+    assert [b["api_server"] for b in bodies] == [{"answered": i} for i in range(1, 6)]
+    assert all(b["engines"] == bodies[0]["engines"] for b in bodies) and fresh.json()["engines"] == bodies[0]["engines"]
+    assert after["engines"][0]["refits"] == bodies[0]["engines"][0]["refits"] + 1
+    engine_renders = [obj for obj in rendered if isinstance(obj, list)]
+    assert len(engine_renders) == 2  # once per fetch, not per GET
+    assert fresh.headers["content-type"] == "application/json"
 
 
 # ---- defect 8: PUT body handling -----------------------------------------------------------------

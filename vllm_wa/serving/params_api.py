@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from vllm_wa.params import WAParams
 from vllm_wa.serving.pin_request import MAX_PIN_BODY_BYTES, PinRequestError, parse_pin_request
@@ -99,6 +100,26 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def render_json(obj: Any) -> bytes:
+    """``obj`` as :class:`JSONResponse` renders it, non-finite floats as None."""
+    return json.dumps(json_safe(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass
+class _RenderedEngines:
+    """The engines' state as JSON, rendered once per fetch: a GET (public with
+    ``--wa-public-params``) then costs a copy, not a walk of every class."""
+
+    engines: list[dict[str, Any]] | None = None
+    body: bytes = b"[]"
+
+    def get(self, engines: list[dict[str, Any]]) -> bytes:
+        if engines is not self.engines:
+            self.body = render_json([e.get("state", e) for e in engines])
+            self.engines = engines
+        return self.body
+
+
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
@@ -112,19 +133,21 @@ def make_router(
     """The ``/wa/params`` routes; ``max_classes`` is the engines' class cap (a pin's limit);
     ``api_state``: the answering API server's own counters, shown under ``api_server``."""
     router = APIRouter()
+    rendered = _RenderedEngines()
 
     @router.get("/wa/params")
-    async def get_params(raw_request: Request) -> JSONResponse:
+    async def get_params(raw_request: Request) -> Response:
         if not settings.public_params and not api_key_ok(raw_request):
             return _error(401, "Unauthorized")
         try:
             engines = await snapshots.get()
         except Exception as e:  # noqa: BLE001 - the engines are unreachable: say so
             return _error(503, f"the engine cores did not answer: {type(e).__name__}")
-        body: dict[str, Any] = {"engines": [e.get("state", e) for e in engines]}
-        if api_state is not None:
-            body["api_server"] = api_state()
-        return JSONResponse(json_safe(body))
+        parts = [b'{"engines":', rendered.get(engines)]
+        if api_state is not None:  # this API server's own counters: fresh every time
+            parts += [b',"api_server":', render_json(api_state())]
+        parts.append(b"}")
+        return Response(b"".join(parts), media_type="application/json")
 
     @router.put("/wa/params")
     async def put_params(raw_request: Request) -> JSONResponse:
