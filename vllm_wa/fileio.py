@@ -29,6 +29,16 @@ TOMLDecodeError = tomllib.TOMLDecodeError
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, UnicodeDecodeError)
 
 
+def read_bytes(path: str, error: type[Exception], what: str) -> bytes:
+    """A file's bytes, read once (a pipe gives them only once); ``error`` names
+    ``what`` could not be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e}") from e
+
+
 def read_toml(path: str) -> dict[str, Any]:
     """Parse a TOML file; raises ``OSError`` or what :func:`parse_toml` raises."""
     with open(path, "rb") as f:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from vllm_wa.fileio import read_bytes
 from vllm_wa.validation import check_number, short_repr
 from vllm_wa.workload_classes import MAX_CLASS_NAME_LENGTH, is_valid_class_name
 
@@ -495,11 +496,7 @@ class WAParams:
 
 def read_params_bytes(path: str) -> bytes:
     """A params file's bytes, read once (a pipe gives them only once)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ParamsError(f"cannot read params file {path}: {e}") from e
+    return read_bytes(path, ParamsError, "params file")
 
 
 def _model_from_json(obj: Any) -> ReuseModel:

@@ -13,7 +13,7 @@ from vllm_wa.controller.estimators import FAMILIES
 from vllm_wa.controller.features import BLOCK_FEATURES, FEATURES, FeatureKey
 from vllm_wa.controller.learned_key import MAX_LEARNED_CLASSES
 from vllm_wa.controller.tuner import TunerSettings
-from vllm_wa.fileio import TOMLDecodeError, parse_toml
+from vllm_wa.fileio import TOMLDecodeError, parse_toml, read_bytes
 from vllm_wa.params import SCORE_MODES, STAMPS
 from vllm_wa.validation import check_number
 from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES, MAX_CLASS_CAP
@@ -329,8 +329,4 @@ class ControllerConfig:
 
 def read_config_bytes(path: str) -> bytes:
     """A config file's bytes, read once (a pipe gives them only once)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read controller config {path}: {e}") from e
+    return read_bytes(path, ConfigError, "controller config")
