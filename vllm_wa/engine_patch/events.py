@@ -147,11 +147,14 @@ def carried_hashes(event: Event) -> int:
     """How many block hashes an event carries in its sequences (a lookup's
     prompt and chain, an outcome's blocks): what its size grows with."""
     kind = event[0]
-    if kind == EventKind.LOOKUP:
+    if kind is _LOOKUP:
         return len(event[4]) + len(event[5])
-    if kind == EventKind.OUTCOME:
+    if kind is _OUTCOME:
         return len(event[4])
     return 0
+
+
+_LOOKUP, _OUTCOME = EventKind.LOOKUP, EventKind.OUTCOME
 
 
 def hash_sample_value(block_hash: Any) -> int:
@@ -304,8 +307,8 @@ class EventSink:
         if len(q) >= self.capacity:
             self.dropped += 1
             return False
-        n = carried_hashes(event)
-        if n:
+        kind = event[0]
+        if (kind is _LOOKUP or kind is _OUTCOME) and (n := carried_hashes(event)):
             held = self._hashes_in - self._hashes_out
             if held and held + n > self.hash_capacity:
                 self.dropped += 1
