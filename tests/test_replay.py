@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import lzma
 import math
@@ -583,6 +584,44 @@ def test_agentic_archive_out_of_name_order_loads_as_its_directory(tmp_path):
     ]
 
 
+def test_agentic_archive_with_one_file_name_in_two_folders_keeps_their_requests_apart(tmp_path):
+    """``train/trace_0001.json`` and ``dev/trace_0001.json``: request ids key the
+    blocks a request holds, so the two conversations' ids must differ (they
+    crashed the block pool with a KeyError, after releasing each other's blocks)."""
+    def conv(base):
+        reqs = [{"t": 10.0 * j, "type": "n", "in": 64 * (j + 2), "out": 5, "hash_ids": list(range(base, base + j + 2)),
+                 "input_types": ["text"]} for j in range(4)]
+        return json.dumps({"block_size": 64, "requests": reqs})
+
+    archive = tmp_path / "nested.tar"
+    with tarfile.open(archive, "w") as tar:
+        for folder, base in (("train", 100), ("dev", 200)):
+            for name in ("trace_0001.json", f"trace_{base}.json"):
+                data = conv(base).encode()
+                info = tarfile.TarInfo(f"{folder}/{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    tr = load_trace(str(archive), "agentic", agentic=AgenticOptions(window=0.0))
+    ids = [r.request_id for r in tr.requests]
+    assert len(ids) == 16 and len(set(ids)) == 16
+    assert {i.split("#")[0] for i in ids} == {
+        f"{archive}:dev/trace_0001.json", f"{archive}:train/trace_0001.json", "trace_100.json", "trace_200.json"
+    }
+    result = run_one(tr, ReplayPolicy("lru"), 8, ReplayConfig(), eval_start=0.0)
+    assert 0.0 < result.token_hit_rate < 1.0
+
+
+def test_a_skipped_conversation_does_not_set_the_traces_block_size(tmp_path):
+    d = tmp_path / "convs"
+    d.mkdir()
+    (d / "trace_0000.json").write_text(json.dumps({"block_size": 16, "requests": [{"t": 0, "in": "abc"}]}))
+    for i in (1, 2):
+        (d / f"trace_000{i}.json").write_text(json.dumps({"block_size": 64, "requests": [
+            {"t": 0, "type": "n", "in": 128, "out": 5, "hash_ids": [1, 2], "input_types": ["text"]}]}))
+    tr = load_trace(str(d), "agentic", skip_bad=True)
+    assert tr.block_size == 64 and tr.skipped_lines == 1 and len(tr.requests) == 2
+
+
 def test_agentic_malformed_conversation(tmp_path):
     d = tmp_path / "convs"
     d.mkdir()
@@ -1143,6 +1182,12 @@ def test_cli_profile_refuses_a_window_with_no_request(tmp_path):
             cli_main(["profile", str(p), "--no-cache", "--out", str(out), *until])
     assert not out.exists()
     assert cli_main(["profile", str(p), "--no-cache", "--out", str(out), "--until", "3", "--relative"]) == 0
+    # No --until: the first half of a trace whose requests all arrive at once holds none of them.
+    same = tmp_path / "same.jsonl"
+    same.write_text("\n".join(bailian_line(chat=c, ts=1.7e9, hashes=(3 * c, 3 * c + 1, 3 * c + 2)) for c in range(5)))
+    with pytest.raises(SystemExit, match="nothing to profile"):
+        cli_main(["profile", str(same), "--no-cache", "--out", str(tmp_path / "q.json")])
+    assert not (tmp_path / "q.json").exists()
 
 
 def test_a_trace_given_as_a_pipe_is_refused_not_read_in_part(tmp_path):
@@ -1229,10 +1274,23 @@ def test_replay_refuses_bad_sizes_and_missing_traces_before_any_sweep(tmp_path, 
         (["--tag-swap", "human,human"], "two different tags"),
         (["--policies", "lru,tlru", "--peer-settings", "tlru=1,tlru=2"], "set twice"),
         (["--json", str(tmp_path)], "names a directory"),
+        (["--jobs", "-5"], "--jobs"),
     ):
         with pytest.raises(SystemExit, match=says):
             cli_main(["replay", MOONCAKE, "--cache-blocks", "4", "--no-cache", *bad])
     assert loaded == []
+
+
+def test_a_policy_named_twice_runs_once(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", MOONCAKE, "--policies", "lru,tlru,lru,tlru", "--cache-blocks", "5%,10%", "--no-cache",
+                     "--jobs", "1", "--json", str(out)]) == 0
+    assert "lru, tlru named more than once; each runs once" in capsys.readouterr().err
+    records = json.loads(out.read_text())["results"]
+    assert sorted((r["policy"], r["cache_blocks"]) for r in records) == sorted(
+        (p, n) for p in ("lru", "tlru") for n in {r["cache_blocks"] for r in records}
+    )
+    assert len(records) == 4
 
 
 def _profile_by_scan(trace: Trace, until: float, lifetime: LifetimeModel, since: float = -math.inf):

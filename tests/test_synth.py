@@ -228,3 +228,16 @@ def test_toml_default_equals_bailian_a() -> None:
     ]
     assert cfg == default
     assert all(isinstance(c, SynthClass) for c in cfg.classes)
+
+
+def test_synth_refuses_an_output_it_cannot_write_before_generating(tmp_path, monkeypatch):
+    from vllm_wa import cli
+    from vllm_wa.replay import synth
+
+    generated = []
+    monkeypatch.setattr(synth, "write_trace", lambda cfg, out: generated.append(out) or 0)
+    for out, says in ((f"{tmp_path}/", "names a directory"), (str(tmp_path / "no" / "t.jsonl"), "not a writable")):
+        with pytest.raises(SystemExit, match=says):
+            cli.main(["synth", "--out", out])
+    assert generated == []
+    assert cli.main(["synth", "--out", str(tmp_path / "t.jsonl")]) == 0 and generated == [str(tmp_path / "t.jsonl")]

@@ -81,6 +81,31 @@ def test_the_cache_keeps_only_the_most_recently_used_parses(parses, monkeypatch,
     assert len(parses) == 4
 
 
+def test_pruning_touches_only_the_caches_own_files(parses, monkeypatch):
+    """``VLLM_WA_CACHE`` may name a folder with other pickles: pruning removed
+    every ``*.pkl`` but the newest eight.  It also removes the partial entry
+    of a write killed long ago, not one being written now."""
+    monkeypatch.setattr(trace_cache, "MAX_ENTRIES", 1)
+    folder = trace_cache.cache_dir()
+    os.makedirs(folder)
+    others = ["model_1.pkl", "notes.txt", "0123456789abcdef01234567.pkl.bak", "ABCDEF0123456789ABCDEF01.pkl"]
+    for name in others:
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("theirs")
+        os.utime(os.path.join(folder, name), (1.0, 1.0))  # older than any entry
+    killed, writing = "0" * 24 + ".pkl.tmp123-456", "1" * 24 + ".pkl.tmp789-1"
+    for name, age in ((killed, 2 * trace_cache.STALE_PARTIAL_S), (writing, 10.0)):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("partial")
+        t = os.stat(os.path.join(folder, name)).st_mtime - age
+        os.utime(os.path.join(folder, name), (t, t))
+    trace_cache.load_trace_cached(MOONCAKE, cut=100.0)
+    trace_cache.load_trace_cached(MOONCAKE, cut=200.0)
+    left = set(os.listdir(folder))
+    assert set(others) | {writing} <= left and killed not in left
+    assert len(left - set(others) - {writing}) == 1  # the newest entry
+
+
 def test_a_cache_it_may_not_touch_is_still_read(parses, monkeypatch):
     trace_cache.load_trace_cached(MOONCAKE)
 

@@ -16,6 +16,7 @@ from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.fileio import check_writable
 from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError, detect_format
+from vllm_wa.replay.parallel import worker_count
 from vllm_wa.replay.peers import PEERS, check_setting
 from vllm_wa.replay.progress import ProgressBoard
 from vllm_wa.replay.runner import POLICIES, ReplayConfig, parse_sizes, prepare, resolve_sizes, sweep_tasks
@@ -88,13 +89,21 @@ def parse_peer_settings(spec: str | None, policies: list[str]) -> dict[str, floa
 def cmd_replay(args: argparse.Namespace) -> int:
     from vllm_wa.replay import report
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    named = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in named if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
-    if not policies:
+    if not named:
         raise SystemExit(f"--policies: no policy given; choose from {', '.join(POLICIES)}")
+    policies = list(dict.fromkeys(named))  # a policy named twice runs once
+    if len(policies) < len(named):
+        print(f"--policies: {', '.join(sorted({p for p in named if named.count(p) > 1}))} named more than once; "
+              "each runs once", file=sys.stderr)
     parse_sizes(args.cache_blocks)  # a bad size fails before a trace is loaded
+    try:
+        worker_count(args.jobs)  # before a trace is loaded, not after
+    except ValueError as e:
+        raise SystemExit(f"--jobs: {e}") from None
     missing = [path for path in args.traces if not os.path.exists(path)]
     if missing:  # before the first sweep, not after it
         raise SystemExit(f"no such trace: {', '.join(missing)}")
@@ -266,6 +275,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     trace = _load(args.trace, args)
     if args.until is None:
         until = trace.eval_start(0.5)  # already on the trace's clock
+        if until <= trace.start:
+            raise SystemExit(
+                f"{args.trace}: no request arrives before the trace's midpoint ({len(trace.requests)} request(s), "
+                f"all at {trace.start:g} s): nothing to profile"
+            )
     else:
         if not math.isfinite(args.until):
             raise SystemExit(f"--until must be a finite number of seconds, got {args.until}")
@@ -290,6 +304,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from vllm_wa.replay.synth import SynthConfig, write_trace
 
+    try:
+        check_writable(args.out)  # before the trace is generated, not after
+    except ValueError as e:
+        raise SystemExit(f"--out: {e}") from None
     cfg = SynthConfig.from_toml(args.config) if args.config else SynthConfig.bailian_a()
     overrides = {}
     if args.duration is not None:

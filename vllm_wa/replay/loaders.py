@@ -14,6 +14,7 @@ import os
 import random
 import stat
 import tarfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
@@ -493,6 +494,15 @@ def _agentic_requests(
         )
 
 
+def _request_id_stems(wheres: list[str]) -> list[str]:
+    """Each conversation file's prefix of its request ids: its base name, or,
+    for a base name that two folders of an archive share, its whole path
+    (request ids key the blocks each request holds)."""
+    names = [os.path.basename(w) for w in wheres]
+    repeated = {n for n, c in Counter(names).items() if c > 1}
+    return [w if n in repeated else n for w, n in zip(wheres, names)]
+
+
 def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: bool = False) -> Trace:
     """Agentic-coding conversations (``callanjfox/kv-cache-tester`` traces).
 
@@ -518,25 +528,23 @@ def load_agentic(path: str, opts: AgenticOptions | None = None, *, skip_bad: boo
     skipped = 0
     block_size = None
     sub_ids = itertools.count(len(files))  # sub-agents' conversation ids, after the files'
-    for conv, ((where, raw), offset) in enumerate(zip(files, offsets)):
+    names = _request_id_stems([where for where, _ in files])
+    for conv, ((where, raw), offset, name) in enumerate(zip(files, offsets, names)):
         try:
             doc = json.loads(raw)
             if not isinstance(doc, dict) or "requests" not in doc:
                 raise ValueError("not a conversation object with 'requests'")
             bs = int_field(doc, "block_size", lo=1) if "block_size" in doc else 64
-            if block_size is None:
-                block_size = bs
-            elif bs != block_size:
+            if block_size is not None and bs != block_size:
                 raise ValueError(f"block_size {bs} differs from earlier conversations' {block_size}")
             part: list[TraceRequest] = []
-            _agentic_requests(
-                doc["requests"], os.path.basename(where), conv, offset, (conv + 1) * NAMESPACE, opts, part, sub_ids
-            )
+            _agentic_requests(doc["requests"], name, conv, offset, (conv + 1) * NAMESPACE, opts, part, sub_ids)
         except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
                 continue
             raise TraceFormatError.record(where, str(e)) from None
+        block_size = bs  # set by a conversation that was kept, not by a skipped one
         reqs.extend(part)
     trace = _finish(os.path.basename(path.rstrip("/")), block_size or 64, "agentic", reqs, skipped, path)
     trace.conversations = True

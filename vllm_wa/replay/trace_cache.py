@@ -8,10 +8,12 @@ import hashlib
 import logging
 import os
 import pickle
+import re
+import time
 from dataclasses import asdict
 from typing import Any
 
-from vllm_wa import fileio, validation
+from vllm_wa import fileio, validation, workload_classes
 from vllm_wa.bench import results
 from vllm_wa.fileio import atomic_write
 from vllm_wa.replay import block_chains, lifetime, loaders, records, served
@@ -24,7 +26,14 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 3
 # Parsed traces kept, most recently used first (the agentic split's is 340 MB).
 MAX_ENTRIES = 8
-_PARSERS = (loaders, block_chains, records, trace_module, served, results, lifetime, token_ids, validation, fileio)
+# An entry's name (:func:`_key`), or a partial one that ``atomic_write`` left.
+_ENTRY = re.compile(r"[0-9a-f]{24}\.pkl(\.tmp\d+-\d+)?")
+# A partial entry this old is a write that was killed (the agentic split's takes seconds).
+STALE_PARTIAL_S = 3600.0
+_PARSERS = (
+    loaders, block_chains, records, trace_module, served, results, lifetime, token_ids, validation, fileio,
+    workload_classes,  # tag names
+)
 
 
 @functools.cache
@@ -109,20 +118,32 @@ def load_trace_cached(
     return trace
 
 
-def prune(keep: int) -> list[str]:
-    """Remove all but the ``keep`` most recently used parsed traces; returns what was removed."""
+def prune(keep: int, now: float | None = None) -> list[str]:
+    """Remove all but the ``keep`` most recently used parsed traces, and the
+    partial files of writes killed over an hour ago; returns what was removed.
+
+    Only this cache's own files (:data:`_ENTRY`, named by :func:`_key`) are
+    touched: ``VLLM_WA_CACHE`` may point at a folder that holds others.
+    """
     folder = cache_dir()
-    entries = []
+    now = time.time() if now is None else now
+    entries, stale = [], []
     for name in os.listdir(folder):
-        if name.endswith(".pkl"):
-            full = os.path.join(folder, name)
-            try:
-                entries.append((os.stat(full).st_mtime_ns, full))
-            except OSError:
-                continue
+        m = _ENTRY.fullmatch(name)
+        if m is None:
+            continue
+        full = os.path.join(folder, name)
+        try:
+            mtime = os.stat(full).st_mtime
+        except OSError:
+            continue
+        if m.group(1) is None:
+            entries.append((mtime, full))
+        elif now - mtime > STALE_PARTIAL_S:
+            stale.append(full)
     entries.sort(reverse=True)
     removed = []
-    for _, full in entries[keep:]:
+    for full in [full for _, full in entries[keep:]] + stale:
         with contextlib.suppress(OSError):  # another process removed it first
             os.remove(full)
             removed.append(full)
