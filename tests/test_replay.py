@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import json
@@ -354,6 +355,18 @@ def test_a_zstd_trace_is_read_with_zstandard_or_named_for_what_it_is(tmp_path, m
     monkeypatch.setitem(sys.modules, "zstandard", SimpleNamespace(open=zstd_open))
     assert detect_format(str(path)) == "mooncake" and len(load_trace(str(path)).requests) == 4
     assert opened and all(m == "rb" for _, m in opened)
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, lzma.compress, bz2.compress])
+def test_a_compressed_trace_whose_name_does_not_say_so_is_read_by_its_first_bytes(tmp_path, compress):
+    """A gzipped trace saved as ``trace.jsonl`` was 'line 1 is not a JSON
+    record; pass --format', which could not help."""
+    text = ("\n".join(mooncake_line(1000.0 * i, (1, 2 + i)) for i in range(4)) + "\n").encode()
+    path, plain = tmp_path / "trace.jsonl", tmp_path / "plain.jsonl"
+    path.write_bytes(compress(text))
+    plain.write_bytes(text)
+    assert detect_format(str(path)) == "mooncake"
+    assert [r.hash_ids for r in load_trace(str(path)).requests] == [r.hash_ids for r in load_trace(str(plain)).requests]
 
 
 def test_reads_are_bounded_a_long_line_a_large_member_and_no_device_files(tmp_path, monkeypatch):
