@@ -46,6 +46,7 @@ from vllm_wa.engine_patch.events import (
 )
 from vllm_wa.engine_patch.install import install_wa_queue, uninstall_wa_queue
 from vllm_wa.params import ReuseModel, WAParams
+from vllm_wa.serving import faults
 from vllm_wa.sim.clock import SettableClock
 
 from conftest import finish, make_manager, make_request, run_prefill
@@ -1651,6 +1652,49 @@ def test_an_event_whose_time_is_not_finite_is_skipped_and_counted_not_the_batch(
     assert dirty.tracker.reuses == clean.tracker.reuses > 0
     assert dirty.state()["events_bad_time"] == 3
     assert dirty.tuner.state(math.nan)["window_rates"] == {}
+
+
+def test_an_event_whose_handling_raises_is_skipped_and_the_batch_finishes_its_requests(monkeypatch):
+    """An error in one event ended the batch: its FINISHED events were lost,
+    and the miniature caches held those requests' blocks pinned for
+    ``max_watch_s`` (a refit failing now and then filled them: every
+    candidate read about no hits)."""
+    cfg = small_config(shadow_blocks=64, sample_rate=1.0)
+    c = WAController(cfg, 64, Applied(), EventSink(capacity=1 << 16), clock=lambda: 0.0)
+    shadow = c.candidates["lru"].shadow
+    lookup = type(shadow).lookup
+
+    def buggy(self, rid, *args, **kwargs):
+        if rid == "bad":
+            raise RuntimeError("a bug in one event's handling")
+        return lookup(self, rid, *args, **kwargs)
+
+    monkeypatch.setattr(type(shadow), "lookup", buggy)
+    events = []
+    for i, rid in enumerate(("a", "bad", "b")):
+        events.append(LookupEvent(EventKind.LOOKUP, 1.0 + i, rid, "chat", ((rid, 0), (rid, 1)), ()))
+    for i, rid in enumerate(("a", "bad", "b")):
+        events.append(FinishedEvent(EventKind.FINISHED, 5.0 + i, rid, RequestTags(rid, "chat", "stop")))
+    c.process(events)
+    assert c.events_failed == 1 and c.state()["events_failed"] == 1
+    assert c.events_processed == len(events)
+    assert not any(s.cache.holds(rid) for s in c._shadows for rid in ("a", "b"))
+    pool = shadow.cache.pool
+    assert sum(1 for b in pool.blocks if b.ref_cnt > 0 and b is not pool.null_block) == 0
+
+
+def test_an_injected_refit_fault_fails_the_refit_after_its_events_are_applied(monkeypatch):
+    """``VLLM_WA_FAULT_REFIT_EVERY`` models a bug in the learning code: the
+    refit fails and counts, but the drained events (finishes included) are applied."""
+    sink = EventSink(capacity=100000)
+    clock = [0.0]
+    c = WAController(small_config(), 200, Applied(), sink, clock=lambda: clock[0])
+    faults.inject_refit_faults(c, 1)
+    clock[0] = feed(sink, 0.0)
+    drained = len(sink)
+    c.refit()
+    assert c.errors == 1 and "InjectedFault" in c.last_error
+    assert len(sink) == 0 and c.events_processed == drained and c.tracker.reuses > 0
 
 
 def test_a_repeated_lookup_of_a_request_one_miniature_cache_holds_pins_nothing_for_good():

@@ -267,6 +267,7 @@ class WAController:
         # Events whose time is NaN or infinite: skipped, not applied (one in a
         # drained batch failed the refit, and the rest of the batch was lost).
         self.events_bad_time = 0
+        self.events_failed = 0  # events whose handling raised (skipped, the batch went on)
         self.drift_events: deque[dict[str, Any]] = deque(maxlen=50)
         self._last_forget: float | None = None
         self._last_checkpoint = -math.inf
@@ -477,60 +478,76 @@ class WAController:
             if not isfinite(ev.time):
                 self.events_bad_time += 1
                 continue
-            kind = ev.kind
-            if kind == EventKind.FREED:
-                comps = self._finest(ev.request, ev.position, ev.reuse_count)
-                fid = self._fine_id(comps)
-                if self._fine[fid] != comps:
-                    self.finest_folded += 1
-                tracker.freed(ev.block_hash, fid, ev.time)
-            elif kind == EventKind.EVICTED:
-                tracker.evicted(ev.block_hash, ev.time)
-                evicted += 1
-                last_evicted = ev.time
-            elif kind == EventKind.LOOKUP:
-                self._found.clear()  # what a failed lookup left is not this one's
-                tracker.looked_up(ev.hashes, ev.time)
-                if self._found:
-                    self._count_lookup(self._found, ev.time)
-                hs, real = self._shadow_hashes(ev)
-                # A repeated lookup (a preemption, a lost finish) of a request
-                # any miniature cache still holds is skipped in all of them:
-                # admitted again where it was held, its first admission's
-                # blocks would stay pinned for good.  (Whether a cache holds it
-                # differs where one of them could not fit it.)
-                rid = ev.request_id
-                if hs and not any(s.cache.holds(rid) for s in shadows):
-                    # The same sampled request in every miniature cache: paired
-                    # evidence. While pinned the real cache runs the pin, not
-                    # the tuner's candidate: its hits check nothing; nor do
-                    # those of a lookup made before the live queue took up
-                    # what it runs now (one made during a refit that switched,
-                    # or under a pin just lifted, is drained after).
-                    if self.pinned is not None or ev.time < self._real_cache_since:
-                        real = None
-                    hits = [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows]
-                    if not self.candidates[self.tuner.active].shadow.cache.holds(rid):
-                        real = None  # the miniature cache could not fit it: see _hold_real_check
-                    checked = record(ev.time, len(hs), hits, real)
-                    if checked is not None:
-                        self._hold_real_check(rid, checked)
-            elif kind == EventKind.FINISHED:
-                checked = self._held_checks.pop(ev.request_id, None)
-                if checked is not None and ev.request is None:
-                    self.tuner.retract_real(checked)  # the real cache held none of it
-                for s in shadows:
-                    s.finish(ev.request_id, ev.request, ev.time)
-            elif kind == EventKind.OUTCOME:
-                # A late outcome: the watched blocks' observations and the
-                # miniature caches' copies move to the request's new class.
-                for pos, h, reuse in ev.blocks:
-                    tracker.refile(h, ev.freed_at, self._fine_id(self._finest(ev.request, pos, reuse)))
-                for s in shadows:
-                    s.reclassify(ev.request, ev.time)
+            try:
+                kind = ev.kind
+                if kind == EventKind.FREED:
+                    comps = self._finest(ev.request, ev.position, ev.reuse_count)
+                    fid = self._fine_id(comps)
+                    if self._fine[fid] != comps:
+                        self.finest_folded += 1
+                    tracker.freed(ev.block_hash, fid, ev.time)
+                elif kind == EventKind.EVICTED:
+                    tracker.evicted(ev.block_hash, ev.time)
+                    evicted += 1
+                    last_evicted = ev.time
+                elif kind == EventKind.LOOKUP:
+                    self._found.clear()  # what a failed lookup left is not this one's
+                    tracker.looked_up(ev.hashes, ev.time)
+                    if self._found:
+                        self._count_lookup(self._found, ev.time)
+                    hs, real = self._shadow_hashes(ev)
+                    # A repeated lookup (a preemption, a lost finish) of a request
+                    # any miniature cache still holds is skipped in all of them:
+                    # admitted again where it was held, its first admission's
+                    # blocks would stay pinned for good.  (Whether a cache holds it
+                    # differs where one of them could not fit it.)
+                    rid = ev.request_id
+                    if hs and not any(s.cache.holds(rid) for s in shadows):
+                        # The same sampled request in every miniature cache: paired
+                        # evidence. While pinned the real cache runs the pin, not
+                        # the tuner's candidate: its hits check nothing; nor do
+                        # those of a lookup made before the live queue took up
+                        # what it runs now (one made during a refit that switched,
+                        # or under a pin just lifted, is drained after).
+                        if self.pinned is not None or ev.time < self._real_cache_since:
+                            real = None
+                        hits = [s.lookup(rid, ev.tag, hs, ev.time) for s in shadows]
+                        if not self.candidates[self.tuner.active].shadow.cache.holds(rid):
+                            real = None  # the miniature cache could not fit it: see _hold_real_check
+                        checked = record(ev.time, len(hs), hits, real)
+                        if checked is not None:
+                            self._hold_real_check(rid, checked)
+                elif kind == EventKind.FINISHED:
+                    checked = self._held_checks.pop(ev.request_id, None)
+                    if checked is not None and ev.request is None:
+                        self.tuner.retract_real(checked)  # the real cache held none of it
+                    for s in shadows:
+                        s.finish(ev.request_id, ev.request, ev.time)
+                elif kind == EventKind.OUTCOME:
+                    # A late outcome: the watched blocks' observations and the
+                    # miniature caches' copies move to the request's new class.
+                    for pos, h, reuse in ev.blocks:
+                        tracker.refile(h, ev.freed_at, self._fine_id(self._finest(ev.request, pos, reuse)))
+                    for s in shadows:
+                        s.reclassify(ev.request, ev.time)
+            except Exception:  # one event's bug must not cost the batch its finishes
+                self._event_failed(ev)
         if evicted:
             self.tuner.evicted(last_evicted, evicted)
         self.events_processed += len(events)
+
+    def _event_failed(self, ev: Any) -> None:
+        """Count (and log, the first time) an event whose handling raised.
+
+        It is skipped and the batch goes on: had the error ended the batch,
+        its FINISHED events would be lost with it, and the miniature caches
+        would hold those requests' blocks pinned until ``max_watch_s``; a
+        failing refit now and then filled them, and every candidate read
+        about no hits.
+        """
+        self.events_failed += 1
+        if self.events_failed == 1:
+            logger.exception("vllm-wa: skipped an engine event whose handling failed (%s)", type(ev).__name__)
 
     def _hold_real_check(self, request_id: str, checked: CheckedRequest) -> None:
         """Keep a sampled request's real-cache check until the request finishes.
@@ -950,6 +967,7 @@ class WAController:
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,
             "events_bad_time": self.events_bad_time,
+            "events_failed": self.events_failed,
             "events_dropped": self.sink.dropped,
             "finest_classes": self.finest_classes,
             "finest_classes_retired": self.finest_retired,

@@ -337,6 +337,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
     return {
         "events_dropped": ewa.controller.sink.dropped,
         "events_bad_time": ewa.controller.events_bad_time,
+        "events_failed": ewa.controller.events_failed,
         "checkpoint_errors": ewa.controller.checkpoint_failures.count,
         "finest_classes_retired": ewa.controller.finest_retired,
         "finest_folded": ewa.controller.finest_folded,

@@ -1,8 +1,8 @@
 """Fault injection for soak tests; off unless its environment variable is set.
 
 ``VLLM_WA_FAULT_REFIT_EVERY=N`` (N > 0) makes every N-th controller refit in
-each engine core raise :class:`InjectedFault` after draining the engine's
-events, as a bug in the learning code would: the refit is counted in
+each engine core raise :class:`InjectedFault` once it has applied the
+engine's events, as a bug in the learning code would: the refit is counted in
 ``errors`` / ``vllm_wa_controller_errors_total``, the last good parameters
 stay, and the engine keeps serving.  ``make bench-soak`` uses it.
 """
@@ -29,9 +29,9 @@ def inject_refit_faults(controller: Any, every: int) -> None:
     def failing_process(events: Any) -> None:
         nonlocal calls
         calls += 1
+        process(events)
         if calls % every == 0:
             raise InjectedFault(f"injected refit fault ({ENV_FAULT_REFIT_EVERY}={every}, refit {calls})")
-        process(events)
 
     controller.process = failing_process
 

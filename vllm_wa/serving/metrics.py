@@ -40,7 +40,12 @@ ENGINE_COUNTERS = {
     ),
     "finest_folded": (
         "vllm_wa_finest_folded_observations",
-        "Watched block releases and re-files the controller filed under a coarser class because its finest-class table was full.",
+        "Watched block releases the controller filed under a coarser class because its finest-class table was full "
+        "(a late outcome's re-file of a released block is not another release).",
+    ),
+    "events_failed": (
+        "vllm_wa_events_failed",
+        "Engine events whose handling raised in the controller; skipped, the rest of their batch applied.",
     ),
     "hook_errors": ("vllm_wa_hook_errors", "Errors caught in the engine hooks."),
     "long_request_ids": (
