@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from conftest import finish, make_hybrid_manager, make_manager, make_request, run_prefill
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import start_online
 from vllm_wa.controller.features import FeatureKey
@@ -15,6 +14,8 @@ from vllm_wa.engine_patch.events import EventKind, EventSink
 from vllm_wa.engine_patch.install import install_wa_queue
 from vllm_wa.serving.engine_side import match_api_reports
 from vllm_wa.workload_classes import ClassRegistry
+
+from conftest import finish, make_hybrid_manager, make_manager, make_request, run_prefill
 
 BS = 16
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from serving_harness import API_KEY, Engine, make_app
 from starlette.testclient import TestClient
 
-from serving_harness import API_KEY, Engine, make_app
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.serving import params_api
 from vllm_wa.serving.metrics import WACollector
