@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from vllm_wa.controller.calibration import Calibration
 from vllm_wa.controller.config import ConfigError, ControllerConfig
 from vllm_wa.controller.controller import WAController
 from vllm_wa.controller.tuner import LRU, PairedHits, Switch, Tuner, TunerSettings, sequential_z
@@ -816,3 +817,15 @@ def test_time_on_a_candidate_is_counted_once_when_the_clock_steps_back():
     for now in (0.0, 100.0, 50.0, 100.0, 110.0):  # 50 s replayed once
         tuner.account(now)
     assert tuner.seconds_on == {"lru": 110.0, "x": 0.0}
+
+
+def test_the_real_cache_checks_batches_stay_bounded_after_an_event_dated_far_ahead():
+    """Batches left the window only from its head, by time: one check dated
+    far ahead stayed at the head, and the list grew a batch every 30 s for good."""
+    cal = Calibration(window_s=900.0, batch_s=30.0)
+    cal.update(1e12, "lru", 4, 1, 1, 1)  # a clock outlier, far ahead
+    for t in range(0, 86_400, 30):
+        cal.update(float(t), "lru", 4, 2, 2, 2)
+    assert len(cal._batches) <= 8 * 31
+    window = cal.window(86_400.0 - 30.0)["lru"]
+    assert window.requests == 31 and window.real == 62  # the last 900 s, as without the outlier

@@ -87,6 +87,7 @@ class Calibration:
 
     def __post_init__(self) -> None:
         self._batches: deque[tuple[float, str, CalibrationTotals]] = deque()
+        self._max_batches = 8 * (int(self.window_s // self.batch_s) + 1)
         self.totals: dict[str, CalibrationTotals] = {}
         # (running candidate, when the check began to count for it, the sums
         # of its batches from then that the window has dropped); None: the
@@ -104,7 +105,12 @@ class Calibration:
         if last is None or last[0] != start or last[1] != running:
             last = (start, running, CalibrationTotals())
             self._batches.append(last)
-            while self._batches and self._batches[0][0] < start - self.window_s:
+            # By time, and by count: one event dated far ahead would stay at
+            # the head, and nothing behind it would leave (a batch a slot
+            # with no switch; a switch a refit adds one more).
+            while self._batches and (
+                self._batches[0][0] < start - self.window_s or len(self._batches) > self._max_batches
+            ):
                 self._keep_in_run(*self._batches.popleft())
         row = (lookups, real, predicted, lru)
         last[2].add(*row)
