@@ -11,6 +11,8 @@
 2. Swap latency: ``queue.set_params`` of a freshly fitted parameter object.
 3. The queue is never locked: engine-thread queue operations are timed with
    and without the controller refitting on a background thread.
+4. A checkpoint write at the finest-class cap: the longest time another
+   thread (the engine's) waits for the GIL meanwhile.
 
     make bench-controller
 """
@@ -18,14 +20,20 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import tempfile
 import threading
 import time
 
+import numpy as np
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_wa.controller import controller as ctrl
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, sample_rate_for
+from vllm_wa.controller.features import FOLDED
 from vllm_wa.engine_patch.block_tagger import RequestTags
 from vllm_wa.engine_patch.conversations import TurnTiming
 from vllm_wa.engine_patch.events import EventKind, EventSink, EvictedEvent, FinishedEvent, FreedEvent, LookupEvent
@@ -191,6 +199,54 @@ def bench_unlocked(seconds: float = 3.0) -> dict[str, float]:
             "note": "no lock: the ratio is the GIL share the refit thread takes"}
 
 
+def _longest_stall(work) -> tuple[float, float]:
+    """(seconds ``work()`` took, the longest another thread waited past a
+    1-ms sleep meanwhile): how long an engine thread is held off the GIL."""
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last - 0.001)
+            last = now
+
+    th = threading.Thread(target=ticker, daemon=True)
+    th.start()
+    time.sleep(0.1)
+    gaps.clear()
+    t0 = time.perf_counter()
+    work()
+    took = time.perf_counter() - t0
+    time.sleep(0.05)
+    stop.set()
+    th.join()
+    return took, max(gaps)
+
+
+def bench_checkpoint_stall(folder: str) -> dict[str, float]:
+    """A checkpoint at the finest-class cap (4,096 rows and the folded room,
+    every row's bins filled): the longest GIL hold of its write, against one
+    ``json.dumps`` of the same content (how it was written until 2026-12-07)."""
+    rng = np.random.default_rng(0)
+    c = WAController(ControllerConfig(), 100_000, lambda p, k: None, EventSink(), clock=lambda: 0.0)
+    n = ctrl.MAX_FINE_CLASSES + ctrl.FOLDED_ROOM
+    for i in range(n):  # the table a long-running server with many tags and timings fills
+        c._fine_id(c._folded((f"t{i % 64}", "tool", FOLDED, 0, i % 5, 0, (i // 5) % 5, (i // 25) % 5)))
+    for row in c._bank.rows:
+        row.events[:76] = rng.random(76) * 3.0
+        row.censored[:76] = rng.random(76) * 3.0
+    path = os.path.join(folder, "checkpoint.json")
+    took, stall = _longest_stall(lambda: c.save_checkpoint(path))
+    with open(path) as f:
+        content = json.load(f)
+    dumps_took, dumps_stall = _longest_stall(lambda: json.dumps(content))
+    return {"classes": len(c._fine), "mib": os.path.getsize(path) / 2**20, "write_s": took, "write_stall_s": stall,
+            "dumps_s": dumps_took, "dumps_stall_s": dumps_stall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=5000.0)
@@ -213,6 +269,12 @@ def main() -> None:
     print(f"engine-thread queue ops/s: alone {un['engine_ops_per_s_alone']:.0f}, while the controller refits "
           f"on another thread {un['engine_ops_per_s_with_refits']:.0f} ({un['refits']} refits); "
           f"{un['note']}")
+    with tempfile.TemporaryDirectory() as folder:
+        ck = bench_checkpoint_stall(folder)
+    print(f"checkpoint write at the finest-class cap ({ck['classes']} classes, {ck['mib']:.1f} MiB): "
+          f"{ck['write_s']:.2f} s, another thread held off at most {1000 * ck['write_stall_s']:.0f} ms; "
+          f"one json.dumps of it {ck['dumps_s']:.2f} s, held off {1000 * ck['dumps_stall_s']:.0f} ms "
+          f"(ratio {ck['dumps_stall_s'] / max(ck['write_stall_s'], 1e-9):.1f})")
 
 
 if __name__ == "__main__":

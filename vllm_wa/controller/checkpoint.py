@@ -277,10 +277,22 @@ def read_checkpoint(path: str, *, max_classes: int) -> Checkpoint | None:
 
 
 def write_checkpoint(path: str, checkpoint: Checkpoint) -> None:
-    """Write atomically; raises ``OSError`` when the file cannot be written."""
-    data = json.dumps(checkpoint.to_json())
+    """Write atomically; raises ``OSError`` when the file cannot be written.
+
+    Encoded piece by piece in Python (``iterencode``), so the engine's thread
+    gets the GIL between pieces, then written at once: ``json.dumps`` is one
+    C call that holds the GIL throughout (a 14-MB checkpoint, 4,320 finest
+    classes, held an engine thread off for 346 ms every
+    ``checkpoint_interval_s``), and ``json.dump``'s many small writes to a
+    text file held it for over 100 ms at the end.
+    """
+    text = "".join(_ENCODER.iterencode(checkpoint.to_json()))
     with atomic_write(path, "w", encoding="utf-8") as f:
-        f.write(data)
+        f.write(text)
+
+
+# json.dumps's defaults; ``iterencode`` without ``_one_shot`` runs the Python encoder.
+_ENCODER = json.JSONEncoder()
 
 
 @dataclass
