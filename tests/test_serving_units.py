@@ -38,6 +38,21 @@ def test_external_request_ids():
     assert external_request_id("plain") == "plain"
 
 
+def test_without_request_id_randomization_a_client_ids_hex_ending_is_kept(monkeypatch):
+    """vLLM adds ``-<8 hex>`` to every engine id unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``: then the engine id is the
+    client's own, and stripping that ending lost the client's late outcomes."""
+    m = make_manager(40)
+    h = install_wa_queue(m.block_pool, None)
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    match_api_reports(h.tagger)
+    assert h.tagger.request_key("job-1a2b3c4d") == "job-1a2b3c4d"
+    assert h.tagger.request_key("1_job-1a2b3c4d") == "job-1a2b3c4d"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0")
+    match_api_reports(h.tagger)
+    assert h.tagger.request_key("job-1a2b3c4d-deadbeef") == "job-1a2b3c4d"
+
+
 def test_chat_response_with_tool_calls_is_reported():
     from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
     from vllm.entrypoints.openai.chat_completion.protocol import (

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm import envs
+
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FeatureKey
@@ -52,8 +54,13 @@ def api_request_id(engine_request_id: str) -> str:
 
 def match_api_reports(tagger: Any) -> None:
     """Have ``tagger`` file releases under the ids the API server reports late
-    outcomes by, telling apart calls that sent the same id."""
-    tagger.request_key = external_request_id
+    outcomes by, telling apart calls that sent the same id.
+
+    With ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` (deprecated in vLLM) the
+    engine's id is the client's own, so a client id ending in ``-<8 hex>``
+    keeps that ending.
+    """
+    tagger.request_key = api_request_id if envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION else external_request_id
     tagger.request_group = api_request_id
 
 
