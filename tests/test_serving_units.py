@@ -677,3 +677,19 @@ def test_the_engines_run_the_config_and_params_the_api_server_checked(tmp_path, 
     assert settings.params_path != str(params)
     assert sorted(WAParams.load(settings.params_path, max_classes=config.max_classes).models) == ["agent_1"]
     assert os.stat(os.path.dirname(settings.params_path)).st_mode & 0o077 == 0  # private to its user
+
+
+def test_a_scheduler_built_again_stops_the_earlier_controllers_job(monkeypatch):
+    """vLLM may build its scheduler again in the same engine process; the
+    earlier controller's refit job kept running beside the new one for good."""
+    monkeypatch.setattr(ServingSettings, "from_env", classmethod(lambda cls: ServingSettings(online=True)))
+    first, second = (SimpleNamespace(kv_cache_manager=make_manager(20)) for _ in range(2))
+    engine_side._attach(first)
+    try:
+        assert first._vllm_wa_engine.scheduler.running
+        engine_side._attach(second)
+        assert not first._vllm_wa_engine.scheduler.running
+        assert second._vllm_wa_engine.scheduler.running
+    finally:
+        for s in (first, second):
+            s._vllm_wa_engine.stop()

@@ -129,11 +129,24 @@ def _attach(sched: Any) -> None:
     vllm_config = getattr(sched, "vllm_config", None)
     index = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0
     block_size = manager.coordinator.single_type_managers[0].block_size
-    setattr(sched, _ATTR, EngineWA(handle, controller, bg, settings, int(index), int(block_size)))
+    ewa = EngineWA(handle, controller, bg, settings, int(index), int(block_size))
+    setattr(sched, _ATTR, ewa)
+    # One engine core builds one scheduler; one built again (vLLM rebuilding
+    # its engine) leaves the earlier controller nothing to serve: its refit
+    # job stops instead of running on beside the new one for good.
+    previous = _current.pop() if _current else None
+    if previous is not None:
+        previous.stop()
+        logger.info("vllm-wa: a new scheduler replaced the one the earlier controller served; stopped that one")
+    _current.append(ewa)
     logger.info(
         "vllm-wa: online controller started (engine %s, %d blocks, sample rate %.4f, refit every %gs)",
         index, pool.num_gpu_blocks, controller.sink.sample_rate, cfg.refit_interval_s,
     )
+
+
+# The controller attached last in this process (at most one).
+_current: list[EngineWA] = []
 
 
 def _wrap_scheduler_init(orig: Any) -> Any:
