@@ -89,6 +89,25 @@ def test_streamed_tool_call_is_reported_after_the_stream():
     assert reporter._pending == [["chatcmpl-9", "tool"]]
 
 
+def test_a_streamed_plain_reply_is_parsed_once_not_chunk_by_chunk(monkeypatch):
+    reporter = api_side.OutcomeReporter(engine_client=None)
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(api_side.json, "loads", lambda text: parsed.append(text) or loads(text))
+    text = 'the word \\"tool_calls\\" in a reply'
+
+    async def sse():
+        for _ in range(100):
+            yield 'data: {"id": "chatcmpl-7", "choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % text
+        yield "data: [DONE]\n\n"
+
+    async def consume():
+        return [c async for c in api_side._watch_stream(sse(), reporter)]
+
+    assert len(asyncio.run(consume())) == 101
+    assert len(parsed) == 1 and reporter._pending == []
+
+
 def test_chat_wrapper_reports_and_passes_results_through(monkeypatch):
     reporter = api_side.OutcomeReporter(engine_client=None)
     monkeypatch.setattr(api_side, "_REPORTER", reporter)

@@ -158,10 +158,21 @@ def _wrap_chat(orig: Any) -> Any:
 
 
 async def _watch_stream(stream: Any, reporter: OutcomeReporter) -> Any:
+    """Pass a streamed chat through; report it once it ends if a delta called a tool.
+
+    A chunk is parsed only for the response id (the first) or when it names
+    ``"tool_calls"`` (a key: in a string its quotes are escaped), so a long
+    plain reply costs a substring search a chunk, not a JSON parse.
+    """
     rid, called = None, False
     try:
         async for chunk in stream:
-            if not called and isinstance(chunk, str) and chunk.startswith("data: {"):
+            if (
+                not called
+                and isinstance(chunk, str)
+                and chunk.startswith("data: {")
+                and (rid is None or '"tool_calls"' in chunk)
+            ):
                 try:
                     d = json.loads(chunk[6:])
                     rid = d.get("id", rid)
