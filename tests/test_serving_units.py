@@ -94,11 +94,11 @@ def test_a_streamed_plain_reply_is_parsed_once_not_chunk_by_chunk(monkeypatch):
     parsed = []
     loads = json.loads
     monkeypatch.setattr(api_side.json, "loads", lambda text: parsed.append(text) or loads(text))
-    text = 'the word \\"tool_calls\\" in a reply'
+    delta = json.dumps({"content": 'the word "tool_calls" in a reply'})  # its quotes escaped
 
     async def sse():
         for _ in range(100):
-            yield 'data: {"id": "chatcmpl-7", "choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % text
+            yield f'data: {{"id": "chatcmpl-7", "choices": [{{"index": 0, "delta": {delta}}}]}}\n\n'
         yield "data: [DONE]\n\n"
 
     async def consume():
