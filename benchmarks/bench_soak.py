@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +39,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_wa.bench.server_proc import free_port, sigterm_interrupts, stop_process_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "soak-key"
@@ -52,12 +54,6 @@ RESTART_AT, CKPT_GONE_AT, CKPT_BACK_AT, RSS_FROM = 2.5 / 30, 10 / 30, 13 / 30, 5
 
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 30) -> tuple[int, Any]:
@@ -112,13 +108,8 @@ class Server:
         raise RuntimeError(f"server did not start; see {log.name}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=60.0)
 
     def engine_core_rss_mib(self) -> float | None:
         """RSS of the engine-core process of this server's process group."""
@@ -194,10 +185,11 @@ async def client(i: int, url: str, load: Load, seed: int) -> None:
 
 
 def percentile(xs: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (the p99 of 100 samples is the 99th, not the largest)."""
     if not xs:
         return None
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
 def read_checkpoint(path: str) -> dict | None:
@@ -335,8 +327,9 @@ def main() -> None:
     for wa, minutes in ((True, args.minutes), (False, args.plain_minutes or args.minutes)):
         server = Server(model, shim, args.workdir, wa, config, free_port(), env if wa else {})
         try:
-            startup = server.start()
-            phase = asyncio.run(run_phase(server, minutes, args.clients, wa, ckpt_dir, args.seed))
+            with sigterm_interrupts():  # a cancelled job still stops its server
+                startup = server.start()
+                phase = asyncio.run(run_phase(server, minutes, args.clients, wa, ckpt_dir, args.seed))
             phase["startup_s"] = round(startup, 1)
             report["wa_online" if wa else "plain"] = phase
         finally:

@@ -651,3 +651,80 @@ def test_the_tiny_model_is_built_from_the_command_line(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
     config = json.loads((tmp_path / "tiny" / "config.json").read_text())
     assert config["max_position_embeddings"] >= 2048 and (tmp_path / "tiny" / "tokenizer.json").exists()
+
+
+# ---- what the review of the suite found (2026-12-07) --------------------------------------------------
+
+FAKE_SERVE = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import fake_vllm_server as fv
+port, gone = int(sys.argv[1]), sys.argv[2]
+real = fv.ThreadingHTTPServer
+fv.ThreadingHTTPServer = lambda addr, handler: real(("127.0.0.1", port), handler)
+srv = fv.FakeServer(fv.FakeConfig(gone_after=None if gone == "-" else int(gone)))
+srv.thread.start()
+while not srv.closed:
+    time.sleep(0.05)
+os._exit(1)  # the API server exits once its HTTP side is gone (a crash)
+"""
+
+
+def test_the_suite_says_a_run_ended_early_and_exits_1(tmp_path, monkeypatch, capsys):
+    """The --wa-online server went away after 3 replies: the client stopped
+    after 20 unreachable requests in a row, and the suite printed the rest as
+    a result and exited 0 (the bench-serve CLI exits 1)."""
+    from vllm_wa.bench import server_proc, suite
+
+    fake = tmp_path / "fake_serve.py"
+    fake.write_text(FAKE_SERVE.format(tests=os.path.join(ROOT, "tests")))
+    monkeypatch.setattr(server_proc.ServerSpec, "argv", lambda self, vllm="vllm": [
+        sys.executable, str(fake), str(self.port), "3" if self.wa_online else "-"])
+    monkeypatch.setattr(suite, "build_tiny_model", lambda *a, **k: None)
+    trace = tmp_path / "t.jsonl"
+    with open(trace, "w") as f:
+        for c in range(6):
+            ids: list[int] = []
+            for k in range(5):
+                ids = ids + [1000 * (c + 1) + k]
+                f.write(json.dumps({"chat_id": 10 * c + k, "parent_chat_id": 10 * c + k - 1 if k else -1,
+                                    "timestamp": 0.01 * c + 0.05 * k, "input_length": 16 * len(ids),
+                                    "output_length": 2, "type": "text", "turn": k + 1, "hash_ids": ids}) + "\n")
+    out = tmp_path / "out"
+    code = suite.main(["--trace", str(trace), "--out-dir", str(out), "--block-size", "16", "--sizes", "100%",
+                       "--no-fidelity", "--wa-config", "default", "--startup-timeout", "60"])
+    assert code == 1
+    assert "the run ended early" in capsys.readouterr().out
+    written = json.loads((out / "bench-serve.json").read_text())
+    assert written["complete"] is False
+    assert {r["policy"]: bool(r["ended_early"]) for r in written["runs"]} == {"lru": False, "wa-online": True}
+
+
+def test_stopping_a_server_stops_its_process_group_after_the_leader_died():
+    """A crashed API server leaves its engine core running in its process
+    group; stop() did nothing once the leader had exited."""
+    from vllm_wa.bench.server_proc import stop_process_group
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & exit 1"], start_new_session=True)
+    proc.wait(10)
+    os.killpg(proc.pid, 0)  # the child ("engine core") is still in the group
+    stop_process_group(proc, grace_s=10.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the server's process group outlived stop()")
+
+
+def test_sigterm_interrupts_like_ctrl_c_inside_and_changes_nothing_after():
+    from vllm_wa.bench.server_proc import sigterm_interrupts
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), sigterm_interrupts():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at once
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -16,7 +16,65 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM a server started with ``start_new_session`` and everything in
+    its process group (vLLM's engine cores), SIGKILL what is left after
+    ``grace_s``.  Also when the leader has already exited: a crashed API
+    server leaves its engine core holding the (GPU) memory the next server needs.
+    """
+    group = proc.pid
+    try:
+        os.killpg(group, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.poll()
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(group):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Inside, SIGTERM raises ``KeyboardInterrupt`` (as Ctrl-C does), so
+    ``finally`` blocks stop the servers and write what was measured; Python's
+    default action ends the process at once, leaving both undone.  Outside the
+    main thread (where no handler can be set) it changes nothing."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        before = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def free_port() -> int:
@@ -114,16 +172,8 @@ class ServerProcess:
             return ""
 
     def stop(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-            except ProcessLookupError:
-                pass
+        if self.proc is not None:
+            stop_process_group(self.proc)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -31,7 +31,7 @@ from typing import Any
 from vllm_wa.bench import report
 from vllm_wa.bench.client import BenchClient, ClientConfig
 from vllm_wa.bench.controller_scaling import time_scaled, to_toml
-from vllm_wa.bench.server_proc import ServerProcess, ServerSpec, free_port
+from vllm_wa.bench.server_proc import ServerProcess, ServerSpec, free_port, sigterm_interrupts
 from vllm_wa.bench.slicing import SliceSpec, slice_trace
 from vllm_wa.bench.tiny_model import build_tiny_model
 from vllm_wa.controller.config import ControllerConfig
@@ -332,24 +332,34 @@ def main(argv: list[str] | None = None) -> int:
         build_tiny_model(os.path.join(args.out_dir, "tiny-model"), max_position_embeddings=max(2048, plan.max_model_len))
     env = server_env(args.out_dir, cpu=not args.gpu)
     results, fidelity, runs = [], [], []
+    code = 0
     try:
-        for n in plan.sizes:
-            for p in policies:
-                res, info = run_one(plan, n, p, env)
-                results.append(res)
-                s = report.summarize(res)
-                runs.append({"policy": p, "cache_blocks": n, **info, "summary": s})
-                print(f"   {s['completed']} requests ({s['failed']} failed) in {res.wall_s:.0f} s, "
-                      f"token hit rate {100 * (s['token_hit_rate'] or 0):.2f}%", flush=True)
-                if (warning := report.schedule_warning(s)) is not None:
-                    print("   WARNING: " + warning, flush=True)
-                if not args.no_fidelity and s["completed"]:
-                    replayed = predict(info["json"], policies, n, plan.wa_config)
-                    fidelity.append({"label": res.label, "policy": p, "cache_blocks": n,
-                                     "measured": s["token_hit_rate"], "predicted": replayed[p],
-                                     "replayed": replayed})
-                    print("   replay of these requests: " + ", ".join(
-                        f"{q} {100 * v:.2f}%" for q, v in replayed.items()), flush=True)
+        with sigterm_interrupts():  # a cancelled job still stops its server and writes what it measured
+            for n in plan.sizes:
+                for p in policies:
+                    res, info = run_one(plan, n, p, env)
+                    results.append(res)
+                    s = report.summarize(res)
+                    runs.append({"policy": p, "cache_blocks": n, **info, "summary": s,
+                                 "ended_early": res.stop_reason if res.interrupted else None})
+                    print(f"   {s['completed']} requests ({s['failed']} failed) in {res.wall_s:.0f} s, "
+                          f"token hit rate {100 * (s['token_hit_rate'] or 0):.2f}%", flush=True)
+                    if res.interrupted:
+                        # The server went away: the run measured less than it was asked to.
+                        print(f"   WARNING: the run ended early ({res.stop_reason})", flush=True)
+                        code = 1
+                    if (warning := report.schedule_warning(s)) is not None:
+                        print("   WARNING: " + warning, flush=True)
+                    if not args.no_fidelity and s["completed"]:
+                        replayed = predict(info["json"], policies, n, plan.wa_config)
+                        fidelity.append({"label": res.label, "policy": p, "cache_blocks": n,
+                                         "measured": s["token_hit_rate"], "predicted": replayed[p],
+                                         "replayed": replayed})
+                        print("   replay of these requests: " + ", ".join(
+                            f"{q} {100 * v:.2f}%" for q, v in replayed.items()), flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the server was stopped; what was measured is written below", flush=True)
+        code = 130
     finally:
         summaries = [report.summarize(r) for r in results]
         wall = time.monotonic() - t_start
@@ -366,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
             "fidelity": fidelity,
             "wall_s": wall,
+            "complete": code == 0,
         }
         path = os.path.join(args.out_dir, "bench-serve.json")
         with open(path, "w", encoding="utf-8") as f:
@@ -373,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if results:
             report.plot(results, os.path.join(args.out_dir, "bench-serve.png"))
         print(f"\nwrote {path} and {os.path.join(args.out_dir, 'bench-serve.png')}; bench-serve took {wall:.0f} s")
-    return 0
+    return code
 
 
 if __name__ == "__main__":
