@@ -25,7 +25,15 @@ What this driver reproduces, with every cache block as its own tree node
 Differences from a token-level radix tree: nodes are whole blocks, so a split
 never resets a node's ``creation_time``, and the output's own KV (which the
 replay does not model) adds no node. Times are a logical clock (SGLang reads
-``time.monotonic()``; only their order matters).
+``time.monotonic()``; only their order matters). A prompt of whole blocks,
+every one cached: vLLM recomputes its last block into a second block that
+holds the same key, and that block is a node of its own here (created, then
+counted at release), while SGLang's insert walks the existing node (stamps
+it, counts the hit) and frees the duplicate at once; so the block lookups
+find is neither stamped nor counted (LFU and SLRU lose that count, FIFO keeps
+the key longer). Such prompts are 0.0 % of the bundled agentic sample's
+requests, 0.8 % of the Mooncake sample's and 1.1 % of the arXiv excerpt's
+(a review of 2026-12-07).
 """
 
 from __future__ import annotations
