@@ -325,6 +325,9 @@ def test_refit_learns_classes_and_swaps_params():
     assert c.errors == 0 and c.refits == 1 and c.swaps == 1
     params, key = applied.calls[-1]
     assert params.version == 1 and isinstance(key, FeatureKey)
+    # What was swapped in is what was learned: the running candidate's fitted classes, not the prior.
+    assert params.source == "online:tag+outcome/hyper/posterior/L10"
+    assert {"tool.o:tool", "human.o:stop"} <= set(params.models)
     st = c.state()
     assert {"tool.o:tool", "human.o:stop"} <= set(st["classes"])
     assert st["classes"]["tool.o:tool"]["reuses"] > 0
@@ -444,7 +447,8 @@ def test_candidates_with_one_key_and_family_share_fits_and_get_the_models_of_the
     assert l10.fits is l120.fits and l10.fits  # the same key at two horizons: fitted once
     assert exp.fits is not l10.fits and think.fits is not l10.fits
     assert l10.params.models == l120.params.models and l10.params.horizon != l120.params.horizon
-    # The shared models are what each candidate's own fits give.
+    # The shared models are what each candidate's own fits give (the feed's classes are fitted).
+    assert len(l10.params.models) >= 2 and l10.params.source == "online:tag+outcome/hyper/posterior/L10"
     by_key = c._class_data(l10.key, c._at_risk(clock[0]))
     for name, model in l10.params.models.items():
         own = fit_model(by_key[name], "hyperexponential")

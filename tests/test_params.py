@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_wa.params import (
+    _MAX_IDLE_S,
     MAX_MIXTURE_COMPONENTS,
     ClassScorer,
     ParamsError,
@@ -161,6 +162,8 @@ def test_idle_below_inverts_the_score(scorer, d):
     target = scorer.log_score(d)
     idle = scorer.idle_below(target)
     if math.isinf(idle):
+        # Only where nothing up to the search limit scores below the target.
+        assert target == -math.inf or scorer.log_score(_MAX_IDLE_S) >= target
         return
     assert scorer.log_score(idle * (1 + 1e-9) + 1e-9) < target or scorer.log_score(idle) < target
     # The search resolves idle time to 1e-9 * max(1, idle) seconds; any
