@@ -467,9 +467,9 @@ class BlockTagger:
         if look is not None and look.timing is not None and req.timing is None:
             req = replace(req, timing=look.timing)
         started = look.at if look is not None else None
-        reported, over_cap = self._file(req, blocks, now, started, report=True)
+        reported, over_cap = self.file_blocks(req, blocks, now, started, report=True)
         for group in extra_groups:
-            over_cap |= self._file(req, group, now, started, report=False)[1]
+            over_cap |= self.file_blocks(req, group, now, started, report=False)[1]
         if over_cap:  # once per release, however many KV-cache groups it holds
             self.releases_over_class_cap += 1
         if not finished:
@@ -549,36 +549,23 @@ class BlockTagger:
         self,
         req: RequestTags,
         blocks: Sequence[KVCacheBlock],
-        now: float | None = None,
-        started: float | None = None,
+        now: float | None,
+        started: float | None,
         *,
-        report: bool = True,
-    ) -> tuple[tuple[int, Any, int], ...]:
+        report: bool,
+    ) -> tuple[tuple[tuple[int, Any, int], ...], bool]:
         """Write the class (and sampling flag) each block is freed into.
 
         ``started``: when the releasing request was looked up (default:
         ``now``); a queue that stamps at the lookup stamps each block with
         the latest such start of the requests that held it.  Returns the
         ``(position, hash, reuse count)`` of the blocks reported in FREED
-        events when late facts can reach this tagger (else ``()``).  With
+        events when late facts can reach this tagger (else ``()``), and
+        whether a block went to ``other`` (the registry full; the caller
+        counts that once per release, whatever its KV-cache groups).  With
         ``report`` False (a hybrid model's further KV-cache groups) the
         blocks make no events: no FREED now and, under hash sampling, no EVICTED later.
         """
-        reported, over_cap = self._file(req, blocks, now, started, report=report)
-        if over_cap:
-            self.releases_over_class_cap += 1
-        return reported
-
-    def _file(
-        self,
-        req: RequestTags,
-        blocks: Sequence[KVCacheBlock],
-        now: float | None,
-        started: float | None,
-        *,
-        report: bool,
-    ) -> tuple[tuple[tuple[int, Any, int], ...], bool]:
-        """:meth:`file_blocks`, uncounted: also says whether a block went to ``other`` (registry full)."""
         queue = self.queue
         sink = self.sink
         key = self.class_key
