@@ -377,6 +377,9 @@ def test_a_malformed_served_record_is_an_error_naming_it_or_skipped_and_counted(
     with gzip.open(tmp_path / "served.json.gz", "wt") as f:
         json.dump(d, f, sort_keys=True, indent=2)
     assert len(load_trace(str(tmp_path / "served.json.gz")).requests) == 3
+    # Compressed under a name that does not say so: read by its first bytes, as a trace is.
+    os.replace(tmp_path / "served.json.gz", tmp_path / "served-gzipped.json")
+    assert len(load_trace(str(tmp_path / "served-gzipped.json")).requests) == 3
     d["requests"] = "abc"
     with open(path, "w") as f:
         json.dump(d, f)

@@ -72,6 +72,33 @@ def opener_for(path: str) -> Callable[..., IO[Any]]:
     return open
 
 
+# What gzip, xz and bzip2 files start with, for one whose name does not say.
+_MAGIC_OPENERS: tuple[tuple[bytes, Callable[..., IO[Any]]], ...] = (
+    (b"\x1f\x8b", gzip.open), (b"\xfd7zXZ\x00", lzma.open), (b"BZh", bz2.open),
+)
+
+
+def reader_for(path: str, head: bytes | None = None) -> Callable[..., IO[Any]]:
+    """:func:`opener_for` for reading: where the name does not say, the file's
+    first bytes (``head``, read here when not given) do (a gzipped trace saved
+    as ``trace.jsonl`` was 'not a JSON record')."""
+    opener = opener_for(path)
+    if opener is not open:
+        return opener
+    if head is None:
+        head = read_head(path, 6)
+    return next((op for magic, op in _MAGIC_OPENERS if head.startswith(magic)), open)
+
+
+def read_head(path: str, n: int) -> bytes:
+    """The first ``n`` bytes of a file (fewer, or none when it cannot be read: its opener says why)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
 @contextmanager
 def atomic_write(
     path: str, mode: str = "w", *, opener: Callable[..., IO[Any]] = open, durable: bool = True, **kwargs: Any

@@ -8,21 +8,18 @@ returned silently.
 
 from __future__ import annotations
 
-import bz2
-import gzip
 import itertools
 import json
-import lzma
 import os
 import random
 import stat
 import tarfile
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
-from vllm_wa.fileio import READ_ERRORS, opener_for
+from vllm_wa.fileio import READ_ERRORS, read_head, reader_for
 from vllm_wa.replay.block_chains import chain_block_ids
 from vllm_wa.replay.records import NAMESPACE, float_field, hash_ids, int_field, token_field
 from vllm_wa.replay.served import is_served_result, load_served
@@ -81,15 +78,9 @@ MAX_CONVERSATION_BYTES = 256 << 20
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-# What gzip, xz and bzip2 files start with, for one whose name does not say.
-_MAGIC_OPENERS: tuple[tuple[bytes, Callable[..., IO[Any]]], ...] = (
-    (b"\x1f\x8b", gzip.open), (b"\xfd7zXZ\x00", lzma.open), (b"BZh", bz2.open),
-)
-
-
 def _open_binary(path: str) -> IO[bytes]:
     """The file's bytes, decompressed as its name says, or else as its first bytes say."""
-    head = b"" if os.path.isdir(path) else _head(path, 6)
+    head = b"" if os.path.isdir(path) else read_head(path, 6)
     if head.startswith(ZSTD_MAGIC):
         try:
             import zstandard  # optional: not a dependency of vllm-wa
@@ -98,18 +89,7 @@ def _open_binary(path: str) -> IO[bytes]:
                 path, "zstd-compressed: decompress it first (zstd -d), or pip install zstandard"
             ) from None
         return zstandard.open(path, "rb")
-    opener = opener_for(path)
-    if opener is open:
-        opener = next((op for magic, op in _MAGIC_OPENERS if head.startswith(magic)), open)
-    return opener(path, "rb")
-
-
-def _head(path: str, n: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(n)
-    except OSError:
-        return b""  # the opener says why
+    return reader_for(path, head)(path, "rb")
 
 
 def check_trace_path(path: str) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_wa.bench.results import FORMAT, VERSION
-from vllm_wa.fileio import READ_ERRORS, opener_for
+from vllm_wa.fileio import READ_ERRORS, reader_for
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.records import MAX_TOKENS, hash_ids, int_field, str_field, token_field
@@ -51,7 +51,7 @@ def is_served_result(path: str) -> bool:
     tag near the start: first as written, among the first keys once sorted),
     compressed or not."""
     try:
-        with opener_for(path)(path, "rb") as f:
+        with reader_for(path)(path, "rb") as f:
             head = f.read(4096)
     except READ_ERRORS:
         return False
@@ -116,7 +116,7 @@ def load_served(path: str, *, skip_bad: bool = False) -> Trace:
     counted in the notes; a malformed one is an error naming it, or, with
     ``skip_bad``, skipped and counted in ``Trace.skipped_lines``.
     """
-    with opener_for(path)(path, "rt", encoding="utf-8") as f:
+    with reader_for(path)(path, "rt", encoding="utf-8") as f:
         d = json.load(f)
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path}: not a bench-serve result")
