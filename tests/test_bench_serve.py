@@ -624,6 +624,61 @@ def test_an_answer_from_the_server_ends_a_run_of_unreachable_requests():
     assert not bench.result.stop_reason
 
 
+def _send_all(bench: BenchClient, handler, requests) -> list[RequestRecord]:
+    import httpx
+
+    async def go():
+        bench._stop = asyncio.Event()
+        recs = []
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for r in requests:
+                rec = RequestRecord(
+                    index=r.index, request_id=str(r.index), conversation=0, tag=r.tag, outcome_hint=None,
+                    hash_ids=list(r.hash_ids), input_tokens=r.input_tokens, max_tokens=r.max_tokens,
+                    planned=0.0, scheduled=0.0,
+                )
+                await bench._send(client, "m", r, rec)
+                recs.append(rec)
+        return recs
+
+    return asyncio.run(go())
+
+
+def test_connections_a_server_going_down_drops_unanswered_count_as_unreachable():
+    """A server shutting down accepts a connection and closes it with no reply
+    (httpx: RemoteProtocolError, ReadError). Only refusals counted, so a run of
+    such drops never stopped the client: CI saw 24 failures in a row and a run
+    reported as complete."""
+    import httpx
+
+    kinds = [httpx.RemoteProtocolError("Server disconnected without sending a response."),
+             httpx.ReadError("Connection reset by peer"), httpx.ConnectError("refused")]
+
+    def handler(request):
+        raise kinds.pop(0)
+
+    t = small_trace(n_conv=1, turns=5)
+    bench = BenchClient(ClientConfig(url="http://x", max_consecutive_unreachable=3, progress=False), t)
+    recs = _send_all(bench, handler, build_workload(t, 4).requests[:3])
+    assert all("cannot reach the server" in r.error for r in recs)
+    assert "3 requests in a row could not reach the server" in bench.result.stop_reason
+
+
+def test_a_stream_broken_after_the_server_answered_is_not_unreachable():
+    import httpx
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"id": "x", "choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'
+            raise httpx.ReadError("Connection reset by peer")
+
+    t = small_trace(n_conv=1, turns=5)
+    bench = BenchClient(ClientConfig(url="http://x", max_consecutive_unreachable=2, progress=False), t)
+    recs = _send_all(bench, lambda request: httpx.Response(200, stream=Broken()), build_workload(t, 4).requests[:3])
+    assert all(r.error.startswith("ReadError") for r in recs)
+    assert not bench.result.stop_reason and bench._unreachable == 0
+
+
 def test_a_run_the_server_walked_out_of_exits_non_zero_and_keeps_its_records(tmp_path):
     from vllm_wa.cli import main
 

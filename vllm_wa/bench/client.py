@@ -256,11 +256,13 @@ class BenchClient:
             rec.error = f"cannot build the prompt: {e}"[:300]
             return
         rec.sent = loop.time() - self._t0
+        answered = False
         try:
             # The whole request, stream included, within the timeout: httpx's
             # own limits each read, and a reply that keeps streaming never ends.
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 async with client.stream("POST", self.base + "/v1/completions", json=body) as r:
+                    answered = True
                     self._unreachable = 0  # the server answered, whatever it said
                     if r.status_code != 200:
                         text = (await r.aread()).decode("utf-8", "replace")
@@ -291,8 +293,13 @@ class BenchClient:
                 rec.done = loop.time() - self._t0
         except TimeoutError:
             rec.error = f"no whole reply within the request timeout ({self.cfg.request_timeout_s:g} s)"
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            rec.error = f"cannot reach the server: {type(e).__name__}: {e}"
+        except httpx.TransportError as e:
+            if answered:
+                rec.error = f"{type(e).__name__}: {e}"[:300]
+                return
+            # Refused, or accepted and dropped by a server going down: either
+            # way no answer came, and a run of them means the server is gone.
+            rec.error = f"cannot reach the server: {type(e).__name__}: {e}"[:300]
             self._unreachable += 1
             if self._unreachable >= self.cfg.max_consecutive_unreachable and self._stop is not None:
                 self.result.stop_reason = f"stopped: {self._unreachable} requests in a row could not reach the server"
