@@ -672,16 +672,18 @@ def test_the_engines_run_the_config_and_params_the_api_server_checked(tmp_path, 
     the engines unchecked.  The settings name private copies of the bytes
     that were checked."""
     from vllm_wa.serving import plugin
-    from vllm_wa.serving.settings import ENV_CONFIG, ENV_ONLINE, ENV_PARAMS
+    from vllm_wa.serving.settings import ENV_CONFIG, ENV_ONLINE, ENV_PARAMS, ENV_SEED_PARAMS
 
     monkeypatch.setattr(api_side, "install", lambda settings: None)
-    for name in (ENV_ONLINE, ENV_CONFIG, ENV_PARAMS):  # restored after the test (export() sets them)
+    for name in (ENV_ONLINE, ENV_CONFIG, ENV_PARAMS, ENV_SEED_PARAMS):  # restored after the test (export() sets them)
         monkeypatch.setenv(name, "0" if name == ENV_ONLINE else "")
-    read_fd, write_fd = os.pipe()
-    os.write(write_fd, b"[controller]\nrefit_interval_s = 1.0\nmax_classes = 16\n")
-    os.close(write_fd)
     params = tmp_path / "p.json"
     params.write_text(json.dumps({"a": {"agent_1": 0.02}, "p": {"agent_1": 0.9}}))
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"a": {"human_1": 0.001}, "p": {"human_1": 0.5}}))
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, f"[controller]\nrefit_interval_s = 1.0\nmax_classes = 16\nseed_params = {str(seed)!r}\n".encode())
+    os.close(write_fd)
     try:
         settings = plugin.enable_online(
             SimpleNamespace(wa_online=True, wa_config=f"/dev/fd/{read_fd}", wa_params=str(params))
@@ -689,9 +691,12 @@ def test_the_engines_run_the_config_and_params_the_api_server_checked(tmp_path, 
     finally:
         os.close(read_fd)
     params.write_text("not json any more")  # edited after the check
+    seed.write_text("[]")  # the config's seed parameters too
     assert ServingSettings.from_env() == settings
     config = settings.controller_config()
     assert (config.refit_interval_s, config.max_classes) == (1.0, 16)
+    assert config.seed_params != str(seed)
+    assert sorted(WAParams.load(config.seed_params, max_classes=config.max_classes).models) == ["human_1"]
     assert settings.snapshot_max_age_s == 1.0
     assert settings.params_path != str(params)
     assert sorted(WAParams.load(settings.params_path, max_classes=config.max_classes).models) == ["agent_1"]

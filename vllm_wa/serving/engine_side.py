@@ -19,7 +19,6 @@ from typing import Any
 
 from vllm import envs
 
-from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.controller.controller import WAController, start_online
 from vllm_wa.controller.features import FeatureKey
 from vllm_wa.engine_patch.block_tagger import MAX_LATE_FACT_ID, OUTCOMES
@@ -95,7 +94,7 @@ def _attach(sched: Any) -> None:
     if manager is None or not getattr(manager, "enable_caching", False):
         logger.warning("vllm-wa: prefix caching is off; --wa-online has nothing to do")
         return
-    cfg = ControllerConfig.load(settings.config_path) if settings.config_path else ControllerConfig()
+    cfg = settings.controller_config()
     prior = WAParams.load(settings.params_path, max_classes=cfg.max_classes) if settings.params_path else None
     pool = manager.block_pool
     handles: list[WAHandle] = []

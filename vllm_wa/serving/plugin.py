@@ -157,8 +157,9 @@ def enable_online(args: Any) -> ServingSettings:
         # Each file is read once; the engines get a private copy of the bytes checked here.
         config_bytes = read_config_bytes(config_path) if config_path else None
         config = ControllerConfig.parse(config_bytes, config_path) if config_bytes is not None else ControllerConfig()
-        if config.seed_params:  # what the engine core would load 60 s later
-            WAParams.load(config.seed_params, max_classes=config.max_classes)
+        seed_bytes = read_params_bytes(config.seed_params) if config.seed_params else None
+        if seed_bytes is not None:  # what the engine core would load 60 s later
+            WAParams.parse(seed_bytes, config.seed_params, max_classes=config.max_classes)
         params_bytes = read_params_bytes(params_path) if params_path else None
         if params_bytes is not None:
             WAParams.parse(params_bytes, params_path, max_classes=config.max_classes)
@@ -171,6 +172,7 @@ def enable_online(args: Any) -> ServingSettings:
         online=True,
         config_path=private_copy(config_bytes, "controller.toml") if config_bytes is not None else None,
         params_path=private_copy(params_bytes, "params.json") if params_bytes is not None else None,
+        seed_params_path=private_copy(seed_bytes, "seed_params.json") if seed_bytes is not None else None,
         allow_pin=bool(getattr(args, "wa_allow_pin", False)),
         metrics_interval_s=metrics_interval,
         bench_outcome_hints=bool(getattr(args, "wa_bench_outcome_hints", False)),

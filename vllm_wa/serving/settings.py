@@ -10,7 +10,7 @@ vLLM's compile-cache key.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 ENV_ONLINE = "VLLM_WA_ONLINE"
 ENV_CONFIG = "VLLM_WA_CONFIG"
 ENV_PARAMS = "VLLM_WA_PARAMS"
+ENV_SEED_PARAMS = "VLLM_WA_SEED_PARAMS"
 ENV_ALLOW_PIN = "VLLM_WA_ALLOW_PIN"
 ENV_METRICS_INTERVAL = "VLLM_WA_METRICS_INTERVAL"
 ENV_BENCH_OUTCOME_HINTS = "VLLM_WA_BENCH_OUTCOME_HINTS"
@@ -38,6 +39,8 @@ class ServingSettings:
     online: bool = False
     config_path: str | None = None
     params_path: str | None = None
+    # The checked copy of the config's ``seed_params`` file, run in its place.
+    seed_params_path: str | None = None
     allow_pin: bool = False
     metrics_interval_s: float = 5.0
     bench_outcome_hints: bool = False
@@ -57,6 +60,7 @@ class ServingSettings:
             online=True,
             config_path=os.environ.get(ENV_CONFIG) or None,
             params_path=os.environ.get(ENV_PARAMS) or None,
+            seed_params_path=os.environ.get(ENV_SEED_PARAMS) or None,
             allow_pin=_flag(ENV_ALLOW_PIN),
             metrics_interval_s=metrics_interval_from_env(),
             bench_outcome_hints=_flag(ENV_BENCH_OUTCOME_HINTS),
@@ -64,10 +68,14 @@ class ServingSettings:
         )
 
     def controller_config(self) -> ControllerConfig:
-        """The controller config the engine cores run (validated at start-up)."""
+        """The controller config the engine cores run (validated at start-up),
+        its ``seed_params`` the copy the API server checked."""
         from vllm_wa.controller.config import ControllerConfig
 
-        return ControllerConfig.load(self.config_path) if self.config_path else ControllerConfig()
+        config = ControllerConfig.load(self.config_path) if self.config_path else ControllerConfig()
+        if self.seed_params_path and config.seed_params:
+            config = replace(config, seed_params=self.seed_params_path)
+        return config
 
     @property
     def snapshot_max_age_s(self) -> float:
@@ -78,7 +86,9 @@ class ServingSettings:
     def export(self) -> None:
         """Publish to this process's environment (inherited by the engine core)."""
         os.environ[ENV_ONLINE] = "1" if self.online else "0"
-        for key, value in ((ENV_CONFIG, self.config_path), (ENV_PARAMS, self.params_path)):
+        for key, value in (
+            (ENV_CONFIG, self.config_path), (ENV_PARAMS, self.params_path), (ENV_SEED_PARAMS, self.seed_params_path)
+        ):
             if value:
                 os.environ[key] = os.path.abspath(value)
             else:

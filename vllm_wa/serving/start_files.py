@@ -1,4 +1,4 @@
-"""The files ``--wa-config`` and ``--wa-params`` name, read once.
+"""The files ``--wa-config`` and ``--wa-params`` name, and the config's ``seed_params``, read once.
 
 The API server validates them at start-up; the engine cores, spawned later,
 load the parameters and config they name.  Read twice, a pipe
