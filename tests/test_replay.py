@@ -1471,6 +1471,22 @@ def test_opt_evicts_a_child_before_its_parent_on_a_tie(tmp_path):
     assert hits["opt"][0] >= hits["lru"][0] > 0
 
 
+def test_opt_gives_up_the_copy_of_a_recomputed_last_block_the_next_lookup_does_not_hit(tmp_path):
+    """vLLM recomputes a fully cached prompt's last block into a second copy.
+    The copy the next lookup did not hit kept a next use in the past, so opt
+    kept it for good and evicted blocks that came back (a review's brute-force
+    search found it: opt 44.48 % of tokens against LRU's 51.89 at 5 blocks)."""
+    rows = [(5596, 1024, 13, [1001, 1002]), (8101, 696, 18, [1001, 1002]), (11483, 1484, 8, [1001, 1002, 1003]),
+            (19718, 1024, 8, [1001, 1005]), (22187, 1071, 17, [1001, 1008, 1009]),
+            (24408, 1608, 17, [1001, 1005, 1010, 1011])]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids}) + "\n"
+                            for t, n, o, ids in rows))
+    hits = _hits(load_trace(str(path)), ["lru", "fifo", "opt"], 5)
+    assert hits["lru"][1] == hits["opt"][1] == 0  # every request fits: opt is a bound here
+    assert hits["opt"][0] >= max(hits["lru"][0], hits["fifo"][0]) > 0
+
+
 def test_opt_bounds_every_policy_where_requests_overflow():
     """The shipped sample at 1 %: FIFO read 2.85 % of tokens and opt 2.84."""
     trace = load_trace(AGENTIC)

@@ -290,10 +290,13 @@ class BeladyFreeQueue:
 class BeladyOracle:
     """Keeps each cached block's next use current in a :class:`BeladyFreeQueue`.
 
-    Every arriving request refreshes the next use of every cached block
-    holding one of its prompt's hashes, hit or not: a block the request does
-    not reach (its lookup stopped earlier, or the request did not fit) would
-    otherwise keep a next use in the past and never be evicted.
+    A block's next use is written when a request holds it, and taken back when
+    a later request arrives with its hash: that request either hits the block
+    (and writes its next use again) or recomputes the position into a new
+    block that then holds the hash's next use. Without this a block the
+    request does not reach keeps a next use in the past and is never evicted;
+    that was the copy vLLM leaves behind when it recomputes a fully cached
+    prompt's last block.
     """
 
     def __init__(self, queue: BeladyFreeQueue, next_req: np.ndarray, offsets: np.ndarray) -> None:
@@ -303,35 +306,51 @@ class BeladyOracle:
         self.offsets = offsets
         self.trace_hash: list[int | None] = [None] * len(queue.next_use)
         self.blocks_of: dict[int, set[int]] = {}  # trace hash -> ids of blocks holding it
+        self.copied: set[int] = set()  # the trace hashes more than one block holds
         self._block: dict[int, KVCacheBlock] = {}
 
     def _next_uses(self, index: int, n: int) -> list[int]:
         start = int(self.offsets[index])
         return self.next_req[start : start + n].tolist()
 
-    def on_arrival(self, index: int, hashes: Sequence[int], start: int = 0, stop: int | None = None) -> None:
-        """Request ``index`` uses ``hashes[start:stop]`` without hitting them.
+    def on_arrival(self, index: int, hashes: Sequence[int], n_hit: int) -> None:
+        """Request ``index`` is looked up with ``n_hit`` prefix hits, before it is served.
 
-        Called before the request is served for the part of its prompt past
-        its prefix hit (the hit blocks are updated by :meth:`on_admitted`),
-        and for the hit part too if the request did not fit.
+        Every cached copy of its hashes gets no next use: if the request is
+        served, :meth:`on_admitted` gives the hit blocks theirs back and the
+        positions it recomputes go to new blocks, so other copies have no use
+        of their own left. A hash's only copy within the hit is the hit
+        block itself: it is left alone (the request pins it before anything
+        is evicted), so the hit part is walked only when it holds a copied
+        hash. :meth:`on_not_served` undoes this if the request does not fit.
         """
-        blocks_of = self.blocks_of
-        nxt = None
-        q = self.queue
-        stop = len(hashes) if stop is None else stop
+        blocks_of, block_of = self.blocks_of, self._block
+        next_use, rekey = self.queue.next_use, self.queue.rekey
+        first = 0 if n_hit and not self.copied.isdisjoint(hashes[:n_hit]) else n_hit
         # Deepest first: re-ranked blocks join their bucket in this order,
         # and a tie evicts a child before its parent, as the queue does.
-        for j in range(stop - 1, start - 1, -1):
-            h = hashes[j]
-            bs = blocks_of.get(h)
+        for j in range(len(hashes) - 1, first - 1, -1):
+            bs = blocks_of.get(hashes[j])
+            if not bs or (j < n_hit and len(bs) == 1):
+                continue
+            for bid in bs:
+                next_use[bid] = NEVER
+                rekey(block_of[bid])
+
+    def on_not_served(self, index: int, hashes: Sequence[int]) -> None:
+        """Request ``index`` did not fit: every copy of its hashes waits for the next request using it."""
+        blocks_of, block_of = self.blocks_of, self._block
+        next_use, rekey = self.queue.next_use, self.queue.rekey
+        nxt = None
+        for j in range(len(hashes) - 1, -1, -1):
+            bs = blocks_of.get(hashes[j])
             if not bs:
                 continue
             if nxt is None:
                 nxt = self._next_uses(index, len(hashes))
             for bid in bs:
-                q.next_use[bid] = nxt[j]
-                q.rekey(self._block[bid])
+                next_use[bid] = nxt[j]
+                rekey(block_of[bid])
 
     def on_admitted(
         self, index: int, blocks: Sequence[KVCacheBlock], hashes: Sequence[int], n_hit: int = 0
@@ -348,7 +367,7 @@ class BeladyOracle:
         )
         for b, u in zip(blocks[:n_hit], nxt):
             next_use[b.block_id] = u
-        trace_hash, blocks_of, block_of = self.trace_hash, self.blocks_of, self._block
+        trace_hash, blocks_of, block_of, copied = self.trace_hash, self.blocks_of, self._block, self.copied
         prev = blocks[n_hit - 1] if n_hit > 0 else None
         prev_id = prev.block_id if prev is not None else -1
         prev_hash = prev.wa_block_hash if prev is not None else None
@@ -360,7 +379,9 @@ class BeladyOracle:
                     stale = blocks_of.get(old)
                     if stale is not None:
                         stale.discard(bid)
-                        if not stale:
+                        if len(stale) == 1:
+                            copied.discard(old)
+                        elif not stale:
                             del blocks_of[old]
                 trace_hash[bid] = h
                 s = blocks_of.get(h)
@@ -368,6 +389,8 @@ class BeladyOracle:
                     blocks_of[h] = {bid}
                 else:
                     s.add(bid)
+                    if len(s) > 1:
+                        copied.add(h)
                 block_of[bid] = b
             next_use[bid] = u
             parent[bid] = prev

@@ -130,7 +130,7 @@ class VLLMEngine:
         if new is None:
             m.free(vreq)  # nothing is held; lets the hooks forget the lookup
             if oracle is not None:
-                oracle.on_arrival(index, req.hash_ids, 0, n_hit)
+                oracle.on_not_served(index, req.hash_ids)
             if hooks is not None:
                 hooks.forget(req.request_id, now)
             return -1

@@ -88,7 +88,7 @@ class SimPrefixCache:
             if hooks is not None:
                 hooks.forget(request_id, now)
             if oracle is not None:
-                oracle.on_arrival(index, hashes, 0, n_hit)
+                oracle.on_not_served(index, hashes)
             return -1
         if oracle is not None:
             oracle.on_admitted(index, pool.held[request_id], hashes, n_hit)
