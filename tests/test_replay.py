@@ -1487,6 +1487,23 @@ def test_opt_gives_up_the_copy_of_a_recomputed_last_block_the_next_lookup_does_n
     assert hits["opt"][0] >= max(hits["lru"][0], hits["fifo"][0]) > 0
 
 
+def test_opt_keeps_the_children_of_an_evicted_copy_whose_twin_stays(tmp_path):
+    """Request 2 recomputes block 2 of the cached prompt [1, 2] into a second
+    copy; the first copy has no use left and goes first when request 3 needs
+    room. Its child (block 3) stays reachable through the copy that remains,
+    but opt counted it orphaned and evicted it next, with its own child: request
+    4 then missed both. Keeping 3 and 4 and evicting block 11 (used only by the
+    last request, later) hits 6 blocks in all, which a brute-force search over
+    every eviction choice confirms is the best; opt read 5."""
+    trace = _mooncake_lines(tmp_path / "t.jsonl", [
+        (0, [1, 2, 3, 4, 20]), (5000, [10, 11, 21]), (10000, [1, 2]), (20000, [5, 6, 8, 9]),
+        (30000, [1, 2, 3, 4, 7]), (40000, [10, 11, 12]),
+    ])
+    hits = _hits(trace, ["lru", "opt"], 10)
+    assert hits["lru"][1] == hits["opt"][1] == 0
+    assert hits["opt"][0] == 6
+
+
 def test_opt_bounds_every_policy_where_requests_overflow():
     """The shipped sample at 1 %: FIFO read 2.85 % of tokens and opt 2.84."""
     trace = load_trace(AGENTIC)

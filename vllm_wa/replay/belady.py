@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -107,6 +107,9 @@ class BeladyFreeQueue:
         self.parent_hash: list[object] = [None] * n
         self.child = [-1] * n
         self.more_children: dict[int, set[int]] = {}
+        # Another cached block holding an evicted block's hash, which keeps its
+        # children reachable (vLLM looks blocks up by hash); set by the oracle.
+        self.heir_of: Callable[[KVCacheBlock], KVCacheBlock | None] | None = None
         self.num_free_blocks = 0
         unhashed = [b for b in blocks if b.wa_block_hash is None]
         self.prepend_n(unhashed)
@@ -136,17 +139,33 @@ class BeladyFreeQueue:
             self._push(b)
 
     def _orphan_children(self, b: KVCacheBlock) -> None:
-        """``b`` is being evicted: its free children can no longer be hit."""
+        """``b`` is being evicted: its free children can no longer be hit,
+        unless another block holds its hash (then that block is their parent)."""
         bid = b.block_id
         first = self.child[bid]
         if first < 0:
             return
         self.child[bid] = -1
+        heir = self.heir_of(b) if self.heir_of is not None else None
         parent, is_free, version = self.parent, self._is_free, self._version
         for cid in (first, *self.more_children.pop(bid, ())):
-            if parent[cid] is b and is_free[cid]:
+            if parent[cid] is not b:
+                continue
+            if heir is not None:
+                self._adopt(heir, cid)
+            elif is_free[cid]:
                 version[cid] += 1  # drop its bucket entry
                 self._orphans.append(self._blocks[cid])
+
+    def _adopt(self, heir: KVCacheBlock, cid: int) -> None:
+        """Block ``cid``'s parent is now ``heir`` (which holds the same hash as the one it had)."""
+        self.parent[cid] = heir
+        hid = heir.block_id
+        first = self.child[hid]
+        if first < 0:
+            self.child[hid] = cid
+        elif first != cid:
+            self.more_children.setdefault(hid, set()).add(cid)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -308,6 +327,21 @@ class BeladyOracle:
         self.blocks_of: dict[int, set[int]] = {}  # trace hash -> ids of blocks holding it
         self.copied: set[int] = set()  # the trace hashes more than one block holds
         self._block: dict[int, KVCacheBlock] = {}
+        queue.heir_of = self.heir_of
+
+    def heir_of(self, b: KVCacheBlock) -> KVCacheBlock | None:
+        """Another block that holds ``b``'s hash and stays cached (free or pinned), if any."""
+        bid = b.block_id
+        h = self.trace_hash[bid]
+        if h not in self.copied:
+            return None
+        is_free, block_of = self.queue._is_free, self._block
+        for oid in self.blocks_of[h]:
+            o = block_of[oid]
+            # (A block popped for eviction is neither free nor pinned.)
+            if oid != bid and o.wa_block_hash == b.wa_block_hash and (is_free[oid] or o.ref_cnt > 0):
+                return o
+        return None
 
     def _next_uses(self, index: int, n: int) -> list[int]:
         start = int(self.offsets[index])
