@@ -95,6 +95,11 @@ class FakeServer:
                     i = server.n
                     server.n += 1
                     server.cfg.received.append(body)
+                if server.cfg.gone_after is not None and i >= server.cfg.gone_after:
+                    # It came in before the shutdown thread stopped the listener (a few ms, a
+                    # scheduling hiccup): a server going down drops it unanswered, never serves it.
+                    self.close_connection = True
+                    return
                 if i in server.cfg.fail_http:
                     self._send(500, json.dumps({"error": {"message": "injected failure"}}))
                     return

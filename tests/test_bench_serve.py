@@ -6,6 +6,7 @@ The end-to-end agreement with a real ``vllm serve`` is in test_serving_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import json
 import math
@@ -234,8 +235,12 @@ def test_the_hit_rate_comparison_pairs_the_requests_both_runs_completed():
 def test_a_server_that_falls_behind_the_schedule_is_reported():
     """The closed loop waits for each reply: a slow server stretches the run, and the report says so."""
     t = small_trace(n_conv=1, turns=6, gap=1.0)  # scheduled 0 .. 5 trace s
+    # Replies the trace says took 0.9 s leave 0.1 trace s of think time: each reply's own latency
+    # (ms, tens of ms on a loaded machine) is not added to every later turn's send time.
+    timed = Trace(t.name, t.block_size, [dataclasses.replace(r, service_time=0.9) for r in t.requests], t.fmt,
+                  conversations=True)
     with FakeServer(FakeConfig()) as srv:
-        kept = report.summarize(run_client(srv.url, t, time_scale=0.5))
+        kept = report.summarize(run_client(srv.url, timed, time_scale=0.5))
     with FakeServer(FakeConfig(delay_s=0.1)) as srv:
         slow = report.summarize(run_client(srv.url, t, time_scale=0.01))
     assert kept["schedule_stretch"] < report.STRETCH_WARN and report.schedule_warning(kept) is None
