@@ -97,7 +97,9 @@ class BeladyFreeQueue:
         self._keys: list[int] = []  # max-heap (negated) of bucket keys
         self._entries = 0
         self._fresh: list[KVCacheBlock] = []  # blocks without a hash, evicted first
-        self._orphans: list[KVCacheBlock] = []  # free blocks whose parent was evicted
+        # Free blocks no lookup will use: their parent was evicted, or another
+        # copy serves their hash. Entries as in the buckets, popped from the end.
+        self._orphans: list[int] = []
         self._blocks: list[KVCacheBlock | None] = [None] * n
         # Prefix links recorded by the oracle: the parent block and the hash it
         # held, and each block's children (its first in ``child``, -1 for
@@ -123,7 +125,7 @@ class BeladyFreeQueue:
         self._blocks[bid] = b
         p = self.parent[bid]
         if p is not None and p.wa_block_hash != self.parent_hash[bid]:
-            self._orphans.append(b)
+            self._orphans.append((ver << self.id_bits) | bid)
             return
         key = self.next_use[bid]
         bucket = self._buckets.get(key)
@@ -137,6 +139,16 @@ class BeladyFreeQueue:
         """The oracle changed ``b``'s next use: re-rank it if it is free."""
         if self._is_free[b.block_id] and b.wa_block_hash is not None:
             self._push(b)
+
+    def evict_first(self, b: KVCacheBlock) -> None:
+        """``b`` has no use that another block will not serve: if it is free, it
+        goes with the orphans, before any block with a future or none (a lookup
+        that found it instead of the other copy would pin one more block)."""
+        bid = b.block_id
+        if self._is_free[bid] and b.wa_block_hash is not None:
+            ver = self._version[bid] + 1
+            self._version[bid] = ver
+            self._orphans.append((ver << self.id_bits) | bid)
 
     def _orphan_children(self, b: KVCacheBlock) -> None:
         """``b`` is being evicted: its free children can no longer be hit,
@@ -155,7 +167,7 @@ class BeladyFreeQueue:
                 self._adopt(heir, cid)
             elif is_free[cid]:
                 version[cid] += 1  # drop its bucket entry
-                self._orphans.append(self._blocks[cid])
+                self._orphans.append((version[cid] << self.id_bits) | cid)
 
     def _adopt(self, heir: KVCacheBlock, cid: int) -> None:
         """Block ``cid``'s parent is now ``heir`` (which holds the same hash as the one it had)."""
@@ -188,7 +200,7 @@ class BeladyFreeQueue:
             blocks_by_id[bid] = b
             p = parent[bid]
             if p is not None and p.wa_block_hash != parent_hash[bid]:
-                self._orphans.append(b)
+                self._orphans.append((ver << shift) | bid)
                 continue
             key = next_use[bid]
             if key != last_key:
@@ -217,7 +229,7 @@ class BeladyFreeQueue:
         if block.wa_block_hash is None:
             self._fresh.remove(block)
         self.num_free_blocks -= 1
-        # (a stale entry in _orphans is skipped when popped: it is not free)
+        # (its entry in the buckets or _orphans is stale now)
 
     def remove_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``remove`` on each block in turn."""
@@ -251,9 +263,11 @@ class BeladyFreeQueue:
             out.append(b)
         while len(out) < n:
             if orphans:
-                b = orphans.pop()
-                if not is_free[b.block_id]:
+                e = orphans.pop()
+                bid = e & mask
+                if e >> shift != version[bid] or not is_free[bid]:
                     continue
+                b = blocks[bid]
             else:
                 key = -keys[0]
                 bucket = buckets[key]
@@ -291,8 +305,11 @@ class BeladyFreeQueue:
 
     def iter_eviction_order(self) -> Iterator[KVCacheBlock]:
         yield from reversed(self._fresh)
-        yield from (b for b in reversed(self._orphans) if self._is_free[b.block_id])
         mask = (1 << self.id_bits) - 1
+        for e in reversed(self._orphans):
+            bid = e & mask
+            if e >> self.id_bits == self._version[bid] and self._is_free[bid]:
+                yield self._blocks[bid]
         for key in sorted(self._buckets, reverse=True):
             for e in self._buckets[key]:
                 bid = e & mask
@@ -350,26 +367,28 @@ class BeladyOracle:
     def on_arrival(self, index: int, hashes: Sequence[int], n_hit: int) -> None:
         """Request ``index`` is looked up with ``n_hit`` prefix hits, before it is served.
 
-        Every cached copy of its hashes gets no next use: if the request is
-        served, :meth:`on_admitted` gives the hit blocks theirs back and the
-        positions it recomputes go to new blocks, so other copies have no use
-        of their own left. A hash's only copy within the hit is the hit
-        block itself: it is left alone (the request pins it before anything
-        is evicted), so the hit part is walked only when it holds a copied
-        hash. :meth:`on_not_served` undoes this if the request does not fit.
+        Every cached copy of its hashes gets no next use and is evicted
+        first: if the request is served, :meth:`on_admitted` gives the hit
+        blocks theirs back and the positions it recomputes go to new blocks,
+        so other copies have no use of their own left (and one kept could be
+        found by a later lookup instead of the copy in use, pinning one more
+        block). A hash's only copy within the hit is the hit block itself:
+        it is left alone (the request pins it before anything is evicted), so
+        the hit part is walked only when it holds a copied hash.
+        :meth:`on_not_served` undoes this if the request does not fit.
         """
         blocks_of, block_of = self.blocks_of, self._block
-        next_use, rekey = self.queue.next_use, self.queue.rekey
+        next_use, evict_first = self.queue.next_use, self.queue.evict_first
         first = 0 if n_hit and not self.copied.isdisjoint(hashes[:n_hit]) else n_hit
-        # Deepest first: re-ranked blocks join their bucket in this order,
-        # and a tie evicts a child before its parent, as the queue does.
-        for j in range(len(hashes) - 1, first - 1, -1):
+        # Shallowest first: dead copies are popped from the end, so a child
+        # goes before its parent, as the queue does on a tie.
+        for j in range(first, len(hashes)):
             bs = blocks_of.get(hashes[j])
             if not bs or (j < n_hit and len(bs) == 1):
                 continue
             for bid in bs:
                 next_use[bid] = NEVER
-                rekey(block_of[bid])
+                evict_first(block_of[bid])
 
     def on_not_served(self, index: int, hashes: Sequence[int]) -> None:
         """Request ``index`` did not fit: every copy of its hashes waits for the next request using it."""
