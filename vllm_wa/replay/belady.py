@@ -7,7 +7,9 @@ queue's per-block array; on eviction the free block with the largest next use
 goes (ties: in the order freed, which puts a prompt's deeper blocks first).  A prefix cache cannot use a block
 whose parent is gone: a request that misses the parent recomputes it and
 everything after it, so a free block whose parent was evicted ("orphan") is
-dead weight and is evicted before any block with a future.
+dead weight and is evicted before any block with a future; so is a copy of a
+block that another block serves (vLLM recomputes a fully cached prompt's last
+block into a second copy).
 """
 
 from __future__ import annotations
