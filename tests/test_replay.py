@@ -1504,6 +1504,20 @@ def test_opt_keeps_the_children_of_an_evicted_copy_whose_twin_stays(tmp_path):
     assert hits["opt"][0] == 6
 
 
+def test_opt_keeps_the_children_of_a_copy_evicted_for_the_request_that_recomputes_it(tmp_path):
+    """[1, 2] after [1, 2, 3, 4]: the old copy of block 2 has no use left and
+    is evicted first, to hold the request's own new copy of block 2. Blocks 3
+    and 4 stay reachable through it, but no other copy existed at that moment,
+    so opt counted them orphaned and evicted them for [7, 8] instead of 9 and
+    10, never used again: opt 3 hit blocks at 7 blocks, the best order 5."""
+    trace = _mooncake_lines(tmp_path / "t.jsonl", [
+        (0, [1, 2, 3, 4]), (5000, [9, 10]), (10000, [1, 2]), (20000, [7, 8]), (30000, [1, 2, 3, 4, 5]),
+    ])
+    hits = _hits(trace, ["lru", "opt"], 7)
+    assert hits["lru"][1] == hits["opt"][1] == 0
+    assert hits["opt"][0] == 5
+
+
 def test_opt_bounds_every_policy_where_requests_overflow():
     """The shipped sample at 1 %: FIFO read 2.85 % of tokens and opt 2.84."""
     trace = load_trace(AGENTIC)

@@ -111,9 +111,10 @@ class BeladyFreeQueue:
         self.parent_hash: list[object] = [None] * n
         self.child = [-1] * n
         self.more_children: dict[int, set[int]] = {}
-        # Another cached block holding an evicted block's hash, which keeps its
-        # children reachable (vLLM looks blocks up by hash); set by the oracle.
-        self.heir_of: Callable[[KVCacheBlock], KVCacheBlock | None] | None = None
+        # Called with an evicted block and its children: True when another
+        # block holding its hash keeps them reachable (vLLM looks blocks up by
+        # hash), now or once the request being placed holds it; set by the oracle.
+        self.keep_children: Callable[[KVCacheBlock, list[int]], bool] | None = None
         self.num_free_blocks = 0
         unhashed = [b for b in blocks if b.wa_block_hash is None]
         self.prepend_n(unhashed)
@@ -154,24 +155,28 @@ class BeladyFreeQueue:
 
     def _orphan_children(self, b: KVCacheBlock) -> None:
         """``b`` is being evicted: its free children can no longer be hit,
-        unless another block holds its hash (then that block is their parent)."""
+        unless another block holds its hash, now or once the request being
+        placed writes it (then that block is their parent)."""
         bid = b.block_id
         first = self.child[bid]
         if first < 0:
             return
         self.child[bid] = -1
-        heir = self.heir_of(b) if self.heir_of is not None else None
-        parent, is_free, version = self.parent, self._is_free, self._version
-        for cid in (first, *self.more_children.pop(bid, ())):
-            if parent[cid] is not b:
-                continue
-            if heir is not None:
-                self._adopt(heir, cid)
-            elif is_free[cid]:
-                version[cid] += 1  # drop its bucket entry
-                self._orphans.append((version[cid] << self.id_bits) | cid)
+        parent = self.parent
+        kids = [cid for cid in (first, *self.more_children.pop(bid, ())) if parent[cid] is b]
+        if not kids or (self.keep_children is not None and self.keep_children(b, kids)):
+            return
+        for cid in kids:
+            self.orphan(cid)
 
-    def _adopt(self, heir: KVCacheBlock, cid: int) -> None:
+    def orphan(self, cid: int) -> None:
+        """Block ``cid`` can no longer be hit: if it is free, it is evicted first."""
+        if self._is_free[cid]:
+            ver = self._version[cid] + 1  # drops its bucket entry
+            self._version[cid] = ver
+            self._orphans.append((ver << self.id_bits) | cid)
+
+    def adopt(self, heir: KVCacheBlock, cid: int) -> None:
         """Block ``cid``'s parent is now ``heir`` (which holds the same hash as the one it had)."""
         self.parent[cid] = heir
         hid = heir.block_id
@@ -346,21 +351,30 @@ class BeladyOracle:
         self.blocks_of: dict[int, set[int]] = {}  # trace hash -> ids of blocks holding it
         self.copied: set[int] = set()  # the trace hashes more than one block holds
         self._block: dict[int, KVCacheBlock] = {}
-        queue.heir_of = self.heir_of
+        # Children of copies evicted while the request being placed recomputes
+        # their hash: they wait for its new copy (on_admitted).
+        self._placing: set[int] = set()
+        self._waiting: list[tuple[int, KVCacheBlock, list[int]]] = []
+        queue.keep_children = self.keep_children
 
-    def heir_of(self, b: KVCacheBlock) -> KVCacheBlock | None:
-        """Another block that holds ``b``'s hash and stays cached (free or pinned), if any."""
+    def keep_children(self, b: KVCacheBlock, kids: list[int]) -> bool:
+        """``b`` is evicted: another block holding its hash (free or pinned, or
+        the one the request being placed will write) becomes its children's parent."""
         bid = b.block_id
         h = self.trace_hash[bid]
-        if h not in self.copied:
-            return None
-        is_free, block_of = self.queue._is_free, self._block
-        for oid in self.blocks_of[h]:
-            o = block_of[oid]
-            # (A block popped for eviction is neither free nor pinned.)
-            if oid != bid and o.wa_block_hash == b.wa_block_hash and (is_free[oid] or o.ref_cnt > 0):
-                return o
-        return None
+        if h in self.copied:
+            is_free, block_of = self.queue._is_free, self._block
+            for oid in self.blocks_of[h]:
+                o = block_of[oid]
+                # (A block popped for eviction is neither free nor pinned.)
+                if oid != bid and o.wa_block_hash == b.wa_block_hash and (is_free[oid] or o.ref_cnt > 0):
+                    for cid in kids:
+                        self.queue.adopt(o, cid)
+                    return True
+        if h in self._placing:
+            self._waiting.append((h, b, kids))
+            return True
+        return False
 
     def _next_uses(self, index: int, n: int) -> list[int]:
         start = int(self.offsets[index])
@@ -384,16 +398,22 @@ class BeladyOracle:
         first = 0 if n_hit and not self.copied.isdisjoint(hashes[:n_hit]) else n_hit
         # Shallowest first: dead copies are popped from the end, so a child
         # goes before its parent, as the queue does on a tie.
+        placing = self._placing
+        placing.clear()
         for j in range(first, len(hashes)):
             bs = blocks_of.get(hashes[j])
             if not bs or (j < n_hit and len(bs) == 1):
                 continue
+            if j >= n_hit:
+                placing.add(hashes[j])
             for bid in bs:
                 next_use[bid] = NEVER
                 evict_first(block_of[bid])
 
     def on_not_served(self, index: int, hashes: Sequence[int]) -> None:
         """Request ``index`` did not fit: every copy of its hashes waits for the next request using it."""
+        self._placing.clear()
+        self._waiting.clear()  # (nothing was evicted for it)
         blocks_of, block_of = self.blocks_of, self._block
         next_use, rekey = self.queue.next_use, self.queue.rekey
         nxt = None
@@ -461,3 +481,21 @@ class BeladyOracle:
                     else:
                         kids.add(bid)
             prev, prev_id, prev_hash = b, bid, b.wa_block_hash
+        self._placing.clear()
+        if self._waiting:
+            self._hand_down(blocks, hashes, n_hit)
+
+    def _hand_down(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[int], n_hit: int) -> None:
+        """The children of copies evicted while this request was placed go to its new copy of their hash."""
+        new_of = dict(zip(hashes[n_hit : len(blocks)], blocks[n_hit:]))
+        q = self.queue
+        for h, old, kids in self._waiting:
+            heir = new_of.get(h)
+            for cid in kids:
+                if q.parent[cid] is not old:  # evicted since and placed anew
+                    continue
+                if heir is not None:
+                    q.adopt(heir, cid)
+                else:
+                    q.orphan(cid)
+        self._waiting.clear()
