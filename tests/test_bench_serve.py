@@ -597,38 +597,6 @@ def test_a_counter_that_fell_between_two_scrapes_was_reset_and_counts_from_zero(
     assert (grown["prefix_cache_queries"], grown["prefix_cache_hits"]) == (2000, 500)
 
 
-def test_an_answer_from_the_server_ends_a_run_of_unreachable_requests():
-    import httpx
-
-    calls = []
-
-    def handler(request):
-        calls.append(1)
-        if len(calls) % 2:
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(503, text="overloaded")
-
-    t = small_trace(n_conv=1, turns=5)
-    bench = BenchClient(ClientConfig(url="http://x", max_consecutive_unreachable=3, progress=False), t)
-    w = build_workload(t, 4)
-
-    async def go():
-        bench._stop = asyncio.Event()
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            for r in w.requests:
-                rec = RequestRecord(
-                    index=r.index, request_id=str(r.index), conversation=0, tag=r.tag, outcome_hint=None,
-                    hash_ids=list(r.hash_ids), input_tokens=r.input_tokens, max_tokens=r.max_tokens,
-                    planned=0.0, scheduled=0.0,
-                )
-                await bench._send(client, "m", r, rec)
-                assert not rec.ok
-        return bench._stop.is_set()
-
-    assert asyncio.run(go()) is False  # unreachable, 503, unreachable, 503, unreachable: never 3 in a row
-    assert not bench.result.stop_reason
-
-
 def _send_all(bench: BenchClient, handler, requests) -> list[RequestRecord]:
     import httpx
 
@@ -647,6 +615,25 @@ def _send_all(bench: BenchClient, handler, requests) -> list[RequestRecord]:
         return recs
 
     return asyncio.run(go())
+
+
+def test_an_answer_from_the_server_ends_a_run_of_unreachable_requests():
+    import httpx
+
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        if len(calls) % 2:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(503, text="overloaded")
+
+    t = small_trace(n_conv=1, turns=5)
+    bench = BenchClient(ClientConfig(url="http://x", max_consecutive_unreachable=3, progress=False), t)
+    recs = _send_all(bench, handler, build_workload(t, 4).requests)
+    assert len(recs) == 5 and not any(r.ok for r in recs)
+    # unreachable, 503, unreachable, 503, unreachable: never 3 in a row
+    assert not bench._stop.is_set() and not bench.result.stop_reason
 
 
 def test_connections_a_server_going_down_drops_unanswered_count_as_unreachable():

@@ -470,7 +470,7 @@ class BeladyOracle:
             next_use[bid] = u
             parent[bid] = prev
             parent_hash[bid] = prev_hash
-            if prev_id >= 0:
+            if prev_id >= 0:  # (the queue's adopt(), inlined: this loop runs for every new block)
                 c = child[prev_id]
                 if c < 0:
                     child[prev_id] = bid
