@@ -293,19 +293,18 @@ class BenchClient:
                 rec.done = loop.time() - self._t0
         except TimeoutError:
             rec.error = f"no whole reply within the request timeout ({self.cfg.request_timeout_s:g} s)"
-        except httpx.TransportError as e:
-            if answered:
-                rec.error = f"{type(e).__name__}: {e}"[:300]
-                return
-            # Refused, or accepted and dropped by a server going down: either
-            # way no answer came, and a run of them means the server is gone.
-            rec.error = f"cannot reach the server: {type(e).__name__}: {e}"[:300]
-            self._unreachable += 1
-            if self._unreachable >= self.cfg.max_consecutive_unreachable and self._stop is not None:
-                self.result.stop_reason = f"stopped: {self._unreachable} requests in a row could not reach the server"
-                self._stop.set()
         except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
             rec.error = f"{type(e).__name__}: {e}"[:300]
+            if isinstance(e, httpx.TransportError) and not answered:
+                # Refused, or accepted and dropped by a server going down: either
+                # way no answer came, and a run of them means the server is gone.
+                rec.error = f"cannot reach the server: {rec.error}"[:300]
+                self._unreachable += 1
+                if self._unreachable >= self.cfg.max_consecutive_unreachable and self._stop is not None:
+                    self.result.stop_reason = (
+                        f"stopped: {self._unreachable} requests in a row could not reach the server"
+                    )
+                    self._stop.set()
 
     @staticmethod
     def _on_chunk(d: Any, rec: RequestRecord, now: float) -> None:
