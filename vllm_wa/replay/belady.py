@@ -169,6 +169,10 @@ class BeladyFreeQueue:
         for cid in kids:
             self.orphan(cid)
 
+    def is_free(self, bid: int) -> bool:
+        """Block ``bid`` is in the queue (not pinned, not popped for eviction)."""
+        return bool(self._is_free[bid])
+
     def orphan(self, cid: int) -> None:
         """Block ``cid`` can no longer be hit: if it is free, it is evicted first."""
         if self._is_free[cid]:
@@ -363,11 +367,11 @@ class BeladyOracle:
         bid = b.block_id
         h = self.trace_hash[bid]
         if h in self.copied:
-            is_free, block_of = self.queue._is_free, self._block
+            is_free, block_of = self.queue.is_free, self._block
             for oid in self.blocks_of[h]:
                 o = block_of[oid]
                 # (A block popped for eviction is neither free nor pinned.)
-                if oid != bid and o.wa_block_hash == b.wa_block_hash and (is_free[oid] or o.ref_cnt > 0):
+                if oid != bid and o.wa_block_hash == b.wa_block_hash and (is_free(oid) or o.ref_cnt > 0):
                     for cid in kids:
                         self.queue.adopt(o, cid)
                     return True
