@@ -906,6 +906,7 @@ def test_default_config_file_matches_defaults():
         ({"tuner": {"candidates": [{"stamp": "arrival"}], "initial": "lru"}}, "candidates[0].stamp"),
         ({"tuner": {"candidates": [{"features": ["tag"], "lru": "no"}], "initial": "lru"}}, "candidates[0].lru"),
         ({"controller": {"ghost_factor": 1e308}}, "ghost_factor"),
+        ({"controller": {"event_capacity": 2**63 - 1}}, "event_capacity"),  # a drop threshold never reached
         ({"tuner": {"initial": "nope"}}, "initial"),
         ({"extra": {}}, "extra"),
     ],

@@ -628,6 +628,9 @@ def test_progress_bars_only_on_a_terminal():
     text = out.getvalue()
     assert "lru @100" in text and "256/1000 requests" in text and "left" in text
     assert "a result line\n" in text and "\x1b[1F\x1b[J" in text  # bars redrawn below the line
+    rep.new_pass("pass 2")  # drawn at once, counting from zero again
+    text = out.getvalue()[len(text):]
+    assert "lru @100 (pass 2)" in text and " 0/1000 requests" in text
     rep.close()
     board.close()
 

@@ -27,6 +27,7 @@ from vllm_wa.replay.loaders import AgenticOptions, TraceFormatError, detect_form
 from vllm_wa.replay.parallel import map_jobs, worker_count
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.policies import ReplayPolicy
+from vllm_wa.replay.progress import RunReporter
 from vllm_wa.replay.runner import (
     ReplayConfig,
     make_policy,
@@ -1031,6 +1032,36 @@ def test_the_scout_finds_the_requests_that_do_not_fit_and_skips_pools_none_can_o
     assert scout_unserved(pinned, 25, cfg, finish) == []  # 24 usable: all fit
 
 
+class _Events(list):
+    """A progress sink recording what a run posts (a worker's queue, in a sweep)."""
+
+    put = list.append
+
+
+def test_every_pass_of_an_opt_run_shows_on_its_progress_bar():
+    """The LRU scout and each Belady pass count their requests from zero under
+    their own label: the bar neither sits still nor reads done while one runs."""
+    cfg = ReplayConfig(profile_fraction=0.0)
+    setup = prepare(_tiny_trace(pinned_s=100.0), ["opt"], cfg)
+    events = _Events()
+    reporter = RunReporter(events, 7, "opt @9", 6)
+    res = run_one(setup.trace, make_policy("opt", setup), 9, cfg, 0.0, progress=reporter)
+    reporter.close()
+    assert res.overflow == 4
+    passes: list[tuple[str, list[int]]] = []
+    for kind, run, *args in events:
+        assert run == 7
+        if kind in ("start", "restart"):
+            passes.append((args[0], []))
+        elif kind == "step":
+            passes[-1][1].append(args[0])
+    labels = [label for label, _ in passes]
+    assert labels[:3] == ["opt @9", "opt @9 (LRU scout for requests that do not fit)", "opt @9 (pass 1)"]
+    assert passes[0][1] == []  # nothing replayed before the scout
+    assert all(steps and steps[-1] == 6 for _, steps in passes[1:])  # each pass counts the whole trace
+    assert events[-1] == ("end", 7)
+
+
 def test_opt_told_the_scouts_set_replays_once_with_the_same_hits(monkeypatch, replay_passes):
     """The LRU scout saves ``opt`` the Belady pass that only found which
     requests do not fit; the hits are those of the passes without it."""
@@ -1124,6 +1155,30 @@ def test_cli_replay_writes_table_json_and_plot(tmp_path, capsys):
     assert out_png.stat().st_size > 10_000
 
 
+def test_a_stray_timestamp_that_empties_a_window_of_the_split_is_reported(tmp_path, capsys):
+    """The split is by time: one request stamped in milliseconds leaves the
+    evaluation window one request of 200, which the replay says."""
+    lines = [bailian_line(chat=i, ts=float(i), n_in=32, hashes=(i % 7, 100 + i)) for i in range(199)]
+    lines.append(bailian_line(chat=199, ts=1.7e6, n_in=32, hashes=(1, 2)))
+    stray = tmp_path / "stray.jsonl"
+    stray.write_text("\n".join(lines) + "\n")
+    out_json = tmp_path / "r.json"
+    assert cli_main(["replay", str(stray), "--policies", "lru", "--cache-blocks", "50", "--json", str(out_json),
+                     "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert "evaluation window from t=850000s: 1 requests" in err
+    assert "warning: the evaluation window (50% of the time, split at t=850000s) holds 0.5% of the 200 requests" in err
+    assert "longest gap between arrivals is 1.6998e+06s of 1.7e+06s, after t=198s" in err
+    (notes,) = [t["notes"] for t in json.loads(out_json.read_text())["meta"]["loaded"].values()]
+    assert any(n.startswith("warning: the evaluation window") for n in notes)
+    # Arrivals spread over the time: no warning, whatever the profile fraction.
+    even = load_trace(str(stray)).head(199)
+    assert even.split_warning(0.5) is None and even.split_warning(0.0) is None and even.split_warning(0.9) is None
+    # The other way: one request long before the rest leaves the profile window one.
+    early = even.with_requests([replace(r, arrival=r.arrival + 1e3 if i else 0.0) for i, r in enumerate(even.requests)])
+    assert early.split_warning(0.5).startswith("warning: the profile window (50% of the time")
+
+
 def test_cli_profile_round_trips_pr_format(tmp_path, agentic):
     out = tmp_path / "params.json"
     rc = cli_main(["profile", AGENTIC, "--conversations", "12", "--seed", "1", "--out", str(out), "--no-cache"])
@@ -1194,7 +1249,10 @@ def test_cli_profile_refuses_a_window_with_no_request(tmp_path):
         with pytest.raises(SystemExit, match="--until"):
             cli_main(["profile", str(p), "--no-cache", "--out", str(out), *until])
     assert not out.exists()
+    with pytest.raises(SystemExit, match="not a writable directory"):  # refused before the trace is read
+        cli_main(["profile", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "no" / "p.json")])
     assert cli_main(["profile", str(p), "--no-cache", "--out", str(out), "--until", "3", "--relative"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["b.jsonl", "p.json"]  # written in place, no temporary file left
     # No --until: the first half of a trace whose requests all arrive at once holds none of them.
     same = tmp_path / "same.jsonl"
     same.write_text("\n".join(bailian_line(chat=c, ts=1.7e9, hashes=(3 * c, 3 * c + 1, 3 * c + 2)) for c in range(5)))

@@ -13,7 +13,7 @@ from importlib import resources
 
 from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
-from vllm_wa.fileio import check_writable
+from vllm_wa.fileio import atomic_write, check_writable
 from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError, detect_format
 from vllm_wa.replay.parallel import worker_count
@@ -162,9 +162,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         used_fraction[trace.name] = setup.cfg.profile_fraction
         sizes = resolve_sizes(args.cache_blocks, setup.trace, setup.eval_start)
         _progress(
-            f"[{path}] evaluation window from t={setup.eval_start:.0f}s: {unique[trace.name]} unique blocks; "
+            f"[{path}] evaluation window from t={setup.eval_start:.0f}s: "
+            f"{setup.trace.requests_since(setup.eval_start)} requests, {unique[trace.name]} unique blocks; "
             f"cache sizes {sizes}"
         )
+        if warning := setup.trace.split_warning(setup.cfg.profile_fraction):
+            _progress(f"[{path}] {warning}")
+            loaded[trace.name]["notes"].append(warning)
         setup.peer_settings.update(fixed)
 
         def on_tuning(r, half="profile"):
@@ -272,6 +276,7 @@ def _setting(r) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     from vllm_wa.replay.profile import profile_trace
 
+    check_outputs(args.out, None)  # before the trace is loaded, not after
     trace = _load(args.trace, args)
     if args.until is None:
         until = trace.eval_start(0.5)  # already on the trace's clock
@@ -293,7 +298,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     params = profile_trace(trace, until)
     text = json.dumps(params.to_pr_json(), indent=1)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+        with atomic_write(args.out, encoding="utf-8") as f:  # a params file a server may load
             f.write(text + "\n")
         print(f"wrote {args.out}")
     else:

@@ -23,6 +23,9 @@ from vllm_wa.workload_classes import DEFAULT_MAX_CLASSES, MAX_CLASS_CAP
 SHADOW_SAMPLING = ("block", "chain")
 # The ghost table's largest size, in sampled caches.
 MAX_GHOST_FACTOR = 100.0
+# The engine's event buffer drops events past ``event_capacity`` (a stalled
+# refit must not grow it without bound): 32 times the default at most.
+MAX_EVENT_CAPACITY = 1 << 22
 
 
 class ConfigError(ValueError):
@@ -178,6 +181,7 @@ class ControllerConfig:
                 "tuner_short_window_s must be 0 (off) or hold tuner_min_batches batches (tuner_min_batches x tuner_batch_s)"
             )
         check_number("drift_forget", self.drift_forget, gt=0, le=1, error=ConfigError)
+        check_number("event_capacity", self.event_capacity, le=MAX_EVENT_CAPACITY, error=ConfigError)
         # The ghost table holds ghost_factor sampled caches: bounded memory.
         check_number("ghost_factor", self.ghost_factor, gt=0, le=MAX_GHOST_FACTOR, error=ConfigError)
         check_number("tuner_real_check_turnover", self.tuner_real_check_turnover, ge=0, le=100, error=ConfigError)

@@ -52,7 +52,7 @@ class ProgressBoard:
     """
 
     def __init__(self, stream: IO[str] | None = None, enabled: bool | None = None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
+        self._stream = stream
         if enabled is None:
             isatty = getattr(self.stream, "isatty", None)
             enabled = bool(isatty and isatty())
@@ -63,6 +63,11 @@ class ProgressBoard:
         self._lock = threading.Lock()
         self._queue: Any = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def stream(self) -> IO[str]:
+        """Where lines go: the given stream, else the process's stderr of the moment."""
+        return self._stream if self._stream is not None else sys.stderr
 
     # ---- events (from this process or, through the queue, from workers) ------------------------
 
@@ -77,6 +82,14 @@ class ProgressBoard:
             if bar is not None:
                 bar.done = done
                 self._draw()
+
+    def restart(self, run: Any, label: str) -> None:
+        """The run replays the trace again (another pass): its bar starts over under ``label``."""
+        with self._lock:
+            bar = self._bars.get(run)
+            if bar is not None:
+                self._bars[run] = _Bar(label, bar.total)
+                self._draw(force=True)
 
     def end(self, run: Any) -> None:
         with self._lock:
@@ -150,7 +163,7 @@ class RunReporter:
     """A run's side: counts replayed requests and posts them to a board or a queue."""
 
     def __init__(self, sink: Any, run: Any, label: str, total: int) -> None:
-        self.sink, self.run, self.done = sink, run, 0
+        self.sink, self.run, self.label, self.done = sink, run, label, 0
         self._post("start", label, total)
 
     def _post(self, kind: str, *args: Any) -> None:
@@ -162,6 +175,11 @@ class RunReporter:
     def __call__(self, n: int) -> None:
         self.done += n
         self._post("step", self.done)
+
+    def new_pass(self, what: str) -> None:
+        """The run starts another pass over the trace (``what`` names it): the bar starts over."""
+        self.done = 0
+        self._post("restart", f"{self.label} ({what})")
 
     def close(self) -> None:
         self._post("end")

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_wa.fileio import atomic_write
 from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.runner import RunResult
 
@@ -136,7 +137,7 @@ def _calibration_notes(rs: Sequence[RunResult]) -> list[str]:
 
 
 def write_json(results: Sequence[RunResult], path: str, meta: dict[str, Any] | None = None) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_write(path, encoding="utf-8") as f:  # an interrupted write leaves the old file
         json.dump({"meta": meta or {}, "results": records(results)}, f, indent=1)
 
 

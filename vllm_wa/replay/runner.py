@@ -137,7 +137,9 @@ def peak_demand(trace: Trace, finish: np.ndarray) -> int:
     return int(np.cumsum(deltas[order]).max(initial=0))
 
 
-def scout_unserved(trace: Trace, num_blocks: int, cfg: ReplayConfig, finish: np.ndarray) -> list[int]:
+def scout_unserved(
+    trace: Trace, num_blocks: int, cfg: ReplayConfig, finish: np.ndarray, progress: RunReporter | None = None
+) -> list[int]:
     """The requests that do not fit a pool of ``num_blocks`` under LRU (trace indices).
 
     Whether a request fits depends on the blocks running requests hold, and
@@ -149,7 +151,9 @@ def scout_unserved(trace: Trace, num_blocks: int, cfg: ReplayConfig, finish: np.
     """
     if trace.fmt != "served" and peak_demand(trace, finish) < num_blocks:  # the null block takes one
         return []
-    _, _, seen = _replay_pass(trace, finish, ReplayPolicy("lru"), num_blocks, cfg, math.inf, None)
+    if progress is not None:
+        progress.new_pass("LRU scout for requests that do not fit")
+    _, _, seen = _replay_pass(trace, finish, ReplayPolicy("lru"), num_blocks, cfg, math.inf, progress)
     return seen
 
 
@@ -160,7 +164,7 @@ def _replay_pass(
     num_blocks: int,
     cfg: ReplayConfig,
     eval_start: float,
-    progress: Callable[[int], None] | None,
+    progress: RunReporter | None,
 ) -> tuple[RunResult, dict[int, list[int]], list[int]]:
     """One replay of the whole trace on a fresh pool: its counts, per-window hits, and unserved requests."""
     clock = SettableClock(trace.start)
@@ -178,7 +182,7 @@ def run_one(
     num_blocks: int,
     cfg: ReplayConfig,
     eval_start: float,
-    progress: Callable[[int], None] | None = None,
+    progress: RunReporter | None = None,
 ) -> RunResult:
     """Replay ``trace`` through ``policy`` in a pool of ``num_blocks`` blocks."""
     if policy.unbounded:
@@ -193,13 +197,13 @@ def run_one(
         unserved: list[int] = []
         finish = cfg.lifetime.finish_times(trace)
         if policy.replays_unserved:
-            unserved = scout_unserved(trace, num_blocks, cfg, finish)
+            unserved = scout_unserved(trace, num_blocks, cfg, finish, progress)
             if unserved:
                 policy.skip_unserved(trace, unserved)
         for run in range(MAX_UNSERVED_PASSES):
-            res, win_hits, seen = _replay_pass(
-                trace, finish, policy, num_blocks, cfg, eval_start, progress if run == 0 else None
-            )
+            if progress is not None and (run or policy.replays_unserved):
+                progress.new_pass(f"pass {run + 1}")
+            res, win_hits, seen = _replay_pass(trace, finish, policy, num_blocks, cfg, eval_start, progress)
             if not policy.replays_unserved or seen == unserved:
                 break
             # Told which requests will not fit, the policy replays the trace again
@@ -229,7 +233,7 @@ def _replay_loop(
     cfg: ReplayConfig,
     eval_start: float,
     win_hits: dict[int, list[int]],
-    progress: Callable[[int], None] | None,
+    progress: RunReporter | None,
     clock: SettableClock,
     unserved: list[int],
 ) -> None:

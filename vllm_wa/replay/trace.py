@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+# A split window holding under this share of the requests its share of the
+# time would is reported (``Trace.split_warning``).
+LOPSIDED_SPLIT = 0.1
 
 
 @dataclass(slots=True)
@@ -64,6 +69,34 @@ class Trace:
     def eval_start(self, profile_fraction: float) -> float:
         """The time from which hits are measured (after the profiling window)."""
         return self.start + profile_fraction * (self.end - self.start)
+
+    def requests_since(self, t: float) -> int:
+        """How many requests arrive at or after ``t`` (the requests are in arrival order)."""
+        return len(self.requests) - bisect_left([r.arrival for r in self.requests], t)
+
+    def split_warning(self, profile_fraction: float) -> str | None:
+        """A warning when the profile or evaluation window holds under a tenth
+        of the requests its share of the time would: the split is by time, so
+        one stray timestamp (milliseconds read as seconds, say) can leave a
+        handful of requests to measure."""
+        n = len(self.requests)
+        eval_start = self.eval_start(profile_fraction)
+        k = self.requests_since(eval_start)
+        for window, share, expected in (
+            ("evaluation", k / n if n else 1.0, 1.0 - profile_fraction),
+            ("profile", (n - k) / n if n else 1.0, profile_fraction),
+        ):
+            if expected > 0 and share < LOPSIDED_SPLIT * expected:
+                gap, at = max(
+                    ((b.arrival - a.arrival, a.arrival) for a, b in zip(self.requests, self.requests[1:])),
+                    default=(0.0, self.start),
+                )
+                return (
+                    f"warning: the {window} window ({expected:.0%} of the time, split at t={eval_start:.6g}s) "
+                    f"holds {share:.1%} of the {n} requests; the longest gap between arrivals is {gap:.6g}s "
+                    f"of {self.end - self.start:.6g}s, after t={at:.6g}s: check the timestamps"
+                )
+        return None
 
     def unique_blocks(self, since: float = float("-inf"), until: float = float("inf")) -> int:
         reqs = [r for r in self.requests if since <= r.arrival < until]
