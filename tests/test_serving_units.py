@@ -240,6 +240,25 @@ def engine_with_outcome_key(num_blocks: int = 20):
     return m, h, ewa, SimpleNamespace(scheduler=SimpleNamespace(_vllm_wa_engine=ewa))
 
 
+def test_a_report_reaching_an_engine_that_did_not_serve_the_call_is_not_kept_for_its_next_call():
+    """Data parallel: every engine core gets every report. The engine that
+    served call 1 re-files it; another keeps nothing, so call 2 under the same
+    client id, served there and ending in a plain stop, stays ``stop``."""
+    served_on, other = engine_with_outcome_key(40), engine_with_outcome_key(40)
+
+    def serve(m, rid: str, first_token: int) -> None:
+        r = make_request(rid, list(range(first_token, first_token + 16 * 2 + 1)), tag="agent")
+        run_prefill(m, r)
+        finish(m, r)
+
+    serve(served_on[0], "chatcmpl-abc-11111111", 0)
+    assert [engine_side.wa_report_outcomes(core, [["chatcmpl-abc", "tool"]]) for _, _, _, core in (served_on, other)] \
+        == [2, 0]
+    serve(other[0], "chatcmpl-abc-22222222", 1000)
+    assert served_on[1].queue.free_blocks_by_class() == {"agent.o:tool": 2}
+    assert other[1].queue.free_blocks_by_class() == {"agent.o:stop": 2}
+
+
 def test_a_late_outcome_reaches_the_request_released_last_under_its_id_and_ids_are_bounded():
     """Two API calls that sent the same id: a tool report re-files the one whose
     reply just ended, not the other client's (they differ in vLLM's random

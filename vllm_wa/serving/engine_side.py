@@ -221,11 +221,19 @@ def _valid_reports(ewa: Any, items: Any) -> list[tuple[str, str]]:
 
 
 def wa_report_outcomes(self: Any, items: list[Any]) -> int:
-    """Late facts from the API server: ``[[external_request_id, outcome], ...]``; the blocks moved."""
+    """Late facts from the API server: ``[[external_request_id, outcome], ...]``; the blocks moved.
+
+    The API server reports a reply once it has it, so the engine that served
+    the call has released it already; every engine core gets every report
+    (data parallel), and one that has released no call under the id keeps
+    nothing: kept, it would re-file the next call a client sends under the
+    same id there.  (Facts sent before their call are ``wa_expect_outcomes``.)
+    """
     ewa = _engine_wa(self)
     if ewa is None:
         return 0
-    return sum(ewa.handle.tagger.reclassify(rid, outcome) for rid, outcome in _valid_reports(ewa, items))
+    tagger = ewa.handle.tagger
+    return sum(tagger.reclassify(rid, outcome, pending=False) for rid, outcome in _valid_reports(ewa, items))
 
 
 def wa_expect_outcomes(self: Any, items: list[Any]) -> int:
