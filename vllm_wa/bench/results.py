@@ -13,8 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-FORMAT = "vllm-wa-bench-serve"
-VERSION = 1
+from vllm_wa.served_format import FORMAT, VERSION
 
 
 @dataclass

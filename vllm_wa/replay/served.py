@@ -32,13 +32,13 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_wa.bench.results import FORMAT, VERSION
 from vllm_wa.fileio import READ_ERRORS, reader_for
 from vllm_wa.replay.lifetime import LifetimeModel
 from vllm_wa.replay.policies import ReplayPolicy
 from vllm_wa.replay.records import MAX_TOKENS, hash_ids, int_field, str_field, token_field
 from vllm_wa.replay.trace import Trace, TraceRequest
 from vllm_wa.replay.vllm_engine import VLLMEngine
+from vllm_wa.served_format import FORMAT, VERSION
 from vllm_wa.sim.clock import SettableClock
 from vllm_wa.sim.token_ids import FIRST_TOKEN, prompt_token_ids
 from vllm_wa.validation import check_number, short_repr

@@ -13,8 +13,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from vllm_wa import fileio, validation, workload_classes
-from vllm_wa.bench import results
+from vllm_wa import fileio, served_format, validation, workload_classes
 from vllm_wa.fileio import atomic_write
 from vllm_wa.replay import block_chains, lifetime, loaders, records, served
 from vllm_wa.replay import trace as trace_module
@@ -31,7 +30,7 @@ _ENTRY = re.compile(r"[0-9a-f]{24}\.pkl(\.tmp\d+-\d+)?")
 # A partial entry this old is a write that was killed (the agentic split's takes seconds).
 STALE_PARTIAL_S = 3600.0
 _PARSERS = (
-    loaders, block_chains, records, trace_module, served, results, lifetime, token_ids, validation, fileio,
+    loaders, block_chains, records, trace_module, served, served_format, lifetime, token_ids, validation, fileio,
     workload_classes,  # tag names
 )
 
