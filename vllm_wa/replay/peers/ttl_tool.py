@@ -21,6 +21,13 @@ tool-call reply left and when the job's next request arrived).
   paper's cold start assumes exponential durations (the mean of those seen,
   ``COLD_START_MEAN_S`` before any).
 
+The public code is simpler than the paper: as a port that copies
+``estimate_with_func.py`` reads, it pins for a fixed 2 s
+(``FIXED_THRESHOLD_CONTINUUM``) when that tool's mean run time is at most
+2 s, and not at all otherwise, per tool name. The traces name no tools, so
+this module runs the paper's rule over all tool durations, whose TTL is
+chosen from the data, with ``B`` swept on the profile half.
+
 Client hints: the conversation id (which request continues which job) and
 the reply's outcome (tool call or not). Without them (Mooncake: neither; the
 synthetic Bailian trace: no outcome) nothing is ever pinned and the queue is
