@@ -184,11 +184,12 @@ def test_a_fifo_at_the_checkpoint_path_does_not_block_the_start(tmp_path):
     reader = threading.Thread(target=lambda: result.append(controller().load_checkpoint(str(path))), daemon=True)
     reader.start()
     reader.join(10.0)
-    if reader.is_alive():  # unblock it before failing
+    hung = reader.is_alive()
+    if hung:  # unblock it before failing
         with open(path, "w"):
             pass
         reader.join(5.0)
-    assert result == [False]
+    assert not hung and result == [False]
     with pytest.raises(CheckpointError, match="not a regular file"):
         read_checkpoint(str(tmp_path), max_classes=10)
 

@@ -332,8 +332,12 @@ def test_refit_learns_classes_and_swaps_params():
     assert {"tool.o:tool", "human.o:stop"} <= set(st["classes"])
     assert st["classes"]["tool.o:tool"]["reuses"] > 0
     assert st["reuses_seen"] >= st["ghost_reuses"] >= 0 and st["reuses_seen"] > 0
-    assert st["watches_censored"] >= 0
     assert json.loads(json.dumps(st)) == st  # plain JSON for /wa/params
+    # Watches no reuse ended by max_watch_s are censored at the next refit.
+    censored = st["watches_censored"]
+    clock[0] += small_config().max_watch_s + 1.0
+    c.refit()
+    assert c.state()["watches_censored"] > censored
     assert len(st["candidates"]) == len(ControllerConfig().all_candidates)
     assert any(cand["name"] == "lru" for cand in st["candidates"])
 
