@@ -7,6 +7,7 @@ import math
 import random
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -1358,3 +1359,18 @@ def test_a_salt_draws_another_sample_of_the_same_size_on_every_path(rate: float)
     for bad in (-1, 1 << 64, 1.5, True):
         with pytest.raises(ValueError, match="salt"):
             EventSink(salt=bad)
+
+
+def test_the_readme_snippet_runs():
+    """The README's "Using the queue directly" block, run as written."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Using the queue directly", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    ns: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    pool, handle = ns["pool"], ns["handle"]
+    assert isinstance(pool.free_block_queue, WorkloadAwareFreeQueue) and handle.queue is pool.free_block_queue
+    assert handle.queue.params is ns["new_params"]
+    blocks = pool.get_new_blocks(4)
+    pool.free_blocks(blocks)
+    assert pool.get_num_free_blocks() == 63  # the null block is never free

@@ -215,7 +215,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if tuned:
             _progress(f"[{path}] knobs chosen {timing[trace.name]['tuning_s']:.1f}s into the sweep")
         timing[trace.name]["sweep_s"] = time.perf_counter() - t_phase
-        _progress(f"[{path}] sweep took {timing[trace.name]['sweep_s']:.1f}s (knob tuning included)")
+        _progress(f"[{path}] sweep took {timing[trace.name]['sweep_s']:.1f}s" + (" (knob tuning included)" if tuned else ""))
         if tuned and args.peer_hindsight:
             t_phase = time.perf_counter()
             add_hindsight(setup, tuned, jobs=args.jobs, on_result=lambda r: on_tuning(r, "evaluated"), board=_BOARD)

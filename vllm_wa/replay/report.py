@@ -141,6 +141,14 @@ def write_json(results: Sequence[RunResult], path: str, meta: dict[str, Any] | N
         json.dump({"meta": meta or {}, "results": records(results)}, f, indent=1)
 
 
+def _style(policy: str) -> dict[str, Any]:
+    """LRU, the baseline, dashed black and drawn on top: a policy that equals it
+    at some size would otherwise hide it."""
+    if policy == "lru":
+        return {"color": "black", "linestyle": "--", "marker": "x", "zorder": 3}
+    return {"marker": "o"}
+
+
 def plot(results: Sequence[RunResult], path: str, title: str = "") -> None:
     import matplotlib
 
@@ -159,7 +167,7 @@ def plot(results: Sequence[RunResult], path: str, title: str = "") -> None:
             if p == "infinite":
                 ax.axhline(pts[0][1], color="gray", linestyle=":", label="infinite")
                 continue
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], label=p, **_style(p))
         ax.set_xlabel("cache size (blocks)")
         ax.set_ylabel("token hit rate (%)")
         ax.set_title(title or trace)
@@ -177,6 +185,7 @@ def plot(results: Sequence[RunResult], path: str, title: str = "") -> None:
                         [w["start"] for w in r.windows],
                         [100 * w["token_hit_rate"] for w in r.windows],
                         label=r.policy,
+                        **{k: v for k, v in _style(r.policy).items() if k != "marker"},
                     )
             ax2.set_xlabel("trace time (s)")
             ax2.set_ylabel(f"windowed token hit rate (%), {size} blocks")
