@@ -25,7 +25,7 @@ from vllm_wa.replay.peers import PEERS
 from vllm_wa.replay.runner import ReplayConfig, Task, prepare, resolve_sizes, run_tasks
 from vllm_wa.replay.trace_cache import load_trace_cached
 
-DEFAULT_POLICIES = "lru,opt,wa-offline,arc,slru,lfu,tlru,session,ttl-tool"
+DEFAULT_POLICIES = "lru,opt,wa-offline,wa-online,arc,slru,lfu,fifo,tlru,session,ttl-tool"
 
 
 def main() -> int:

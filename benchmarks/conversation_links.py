@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("trace", help="an agentic or Bailian trace (one that names its conversations)")
     ap.add_argument("--as-served", action="store_true", help="full blocks only, as vLLM hashes a prompt")
     args = ap.parse_args(argv)
-    counts = measure(load_trace(args.trace), as_served=args.as_served)
+    try:
+        counts = measure(load_trace(args.trace), as_served=args.as_served)
+    except ValueError as e:  # a trace without conversation ids
+        raise SystemExit(f"{args.trace}: {e}") from None
     n = max(1, counts.lookups)
     print(f"{args.trace}{' (as served)' if args.as_served else ''}: {counts.lookups} lookups")
     for name, value in asdict(counts).items():

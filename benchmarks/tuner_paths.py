@@ -203,7 +203,7 @@ def window_leads(
     if missing:
         raise ValueError(f"no candidate {missing}: candidates are {names}")
     rows = doc["rows"]
-    if not rows:
+    if not rows or rows[-1][0] < window_s:  # the recording never fills one window
         return []
     hits = PairedHits(names, float(doc["settings"]["batch_s"]), window_s)
     out = []
@@ -240,7 +240,7 @@ def print_leads(args: argparse.Namespace) -> int:
             cells.append(f"{end:.0f}:{100 * cmp.lead:+.2f}/{100 * lb:+.2f}")
             if math.isfinite(lb) and (best is None or lb > best[0]):
                 best = (lb, end, window)
-        print(f"{window:6.0f} s  " + " ".join(cells))
+        print(f"{window:6.0f} s  " + (" ".join(cells) or "(longer than the recording)"))
     if best is not None:
         print(f"best bound {100 * best[0]:+.2f} points, window {best[2]:.0f} s ending at {best[1]:.0f} s")
     return 0

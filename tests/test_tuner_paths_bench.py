@@ -124,6 +124,8 @@ def test_window_leads_are_the_tuners_comparisons_over_each_window(bench):
     assert hits.compare("a", LRU, 1800.0) == by_end[2700.0]
     with pytest.raises(ValueError, match="no candidate"):
         bench.window_leads(doc, "b", LRU, 900.0, 300.0)
+    last = doc["rows"][-1][0]
+    assert bench.window_leads(doc, "a", LRU, last + 1.0, 300.0) == []  # no window of that length is full
 
 
 def test_leads_prints_each_window_and_the_best_bound(bench, tmp_path, capsys):
