@@ -27,7 +27,7 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 settings.register_profile("explore", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# `make test-vllm034` runs tests against another vLLM's sources (on PYTHONPATH):
+# `make test-vllm033` and `test-vllm034` run tests against another vLLM's sources (on PYTHONPATH):
 # that they are the ones imported is checked, not assumed.
 _EXPECTED_VLLM = os.environ.get("VLLM_WA_EXPECT_VLLM")
 if _EXPECTED_VLLM:

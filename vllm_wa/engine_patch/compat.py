@@ -7,7 +7,7 @@ import re
 # vLLM 0.32, 0.33 and 0.34 share the free-queue interface and the
 # KVCacheManager methods we wrap (checked against their sources).  0.34
 # renamed KVCacheBlock's hash slot (see vllm_wa.kv_block); `make test` runs the
-# tests that need no compiled vLLM op against 0.34.0's sources as well.
+# tests that need no compiled vLLM op against 0.33.0's and 0.34.0's sources too.
 SUPPORTED_VLLM = ((0, 32), (0, 33), (0, 34))
 SUPPORTED_RANGE = ">=0.32,<0.35"
 
@@ -52,7 +52,7 @@ def check_vllm_version(version: str | None = None) -> str:
         version = getattr(vllm, "__version__", "unknown")
     if parse_version(version) not in SUPPORTED_VLLM:
         raise UnsupportedVLLMError(
-            f"vllm-wa supports vLLM {SUPPORTED_RANGE} (tested on 0.32.0, and on 0.34.0's Python sources); "
+            f"vllm-wa supports vLLM {SUPPORTED_RANGE} (tested on 0.32.0, and on 0.33.0's and 0.34.0's Python sources); "
             f"found {version}. "
             "Install a supported vLLM or run without --wa-online."
         )
