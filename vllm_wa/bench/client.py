@@ -257,33 +257,26 @@ class BenchClient:
             return
         rec.sent = loop.time() - self._t0
         answered = False
-
-        async def stream() -> None:
-            nonlocal answered
-            async with client.stream("POST", self.base + "/v1/completions", json=body) as r:
-                answered = True
-                self._unreachable = 0  # the server answered, whatever it said
-                if r.status_code != 200:
-                    text = (await r.aread()).decode("utf-8", "replace")
-                    rec.error = f"HTTP {r.status_code}: {text[:300]}"
-                    return
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == "[DONE]":
-                        break
-                    self._on_chunk(json.loads(payload), rec, loop.time() - self._t0)
-                    if rec.error is not None:
-                        return
-
         try:
             # The whole request, stream included, within the timeout: httpx's
             # own limits each read, and a reply that keeps streaming never ends.
-            # (wait_for, not asyncio.timeout: that is Python 3.11's, and 3.10 is supported.)
-            await asyncio.wait_for(stream(), self.cfg.request_timeout_s)
-            if rec.error is not None:
-                return
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                async with client.stream("POST", self.base + "/v1/completions", json=body) as r:
+                    answered = True
+                    self._unreachable = 0  # the server answered, whatever it said
+                    if r.status_code != 200:
+                        text = (await r.aread()).decode("utf-8", "replace")
+                        rec.error = f"HTTP {r.status_code}: {text[:300]}"
+                        return
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        payload = line[6:].strip()
+                        if payload == "[DONE]":
+                            break
+                        self._on_chunk(json.loads(payload), rec, loop.time() - self._t0)
+                        if rec.error is not None:
+                            return
             if rec.prompt_tokens is None:
                 rec.error = "the stream ended without a usage chunk (is stream_options.include_usage honoured?)"
             elif rec.first_token is None:
@@ -298,7 +291,7 @@ class BenchClient:
                 )
             else:
                 rec.done = loop.time() - self._t0
-        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+        except TimeoutError:
             rec.error = f"no whole reply within the request timeout ({self.cfg.request_timeout_s:g} s)"
         except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
             rec.error = f"{type(e).__name__}: {e}"[:300]
