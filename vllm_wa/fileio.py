@@ -11,17 +11,12 @@ import bz2
 import gzip
 import lzma
 import os
-import sys
 import threading
+import tomllib
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 TOMLDecodeError = tomllib.TOMLDecodeError
 # What a damaged compressed file (one cut short, or not what its name says)
