@@ -185,7 +185,7 @@ class BenchClient:
                 try:
                     res.metrics_after = (await asyncio.wait_for(scrape(client, self.base), 30)).to_json()
                     res.wa_after = await asyncio.wait_for(wa_state(client, self.base), 30)
-                except (BenchError, asyncio.TimeoutError) as e:
+                except (BenchError, TimeoutError) as e:
                     res.stop_reason = (res.stop_reason + "; " if res.stop_reason else "") + f"final scrape failed: {e}"
             for t in tasks:
                 if not t.cancelled() and t.exception() is not None:
