@@ -147,11 +147,8 @@ class BeladyFreeQueue:
         """``b`` has no use that another block will not serve: if it is free, it
         goes with the orphans, before any block with a future or none (a lookup
         that found it instead of the other copy would pin one more block)."""
-        bid = b.block_id
-        if self._is_free[bid] and b.wa_block_hash is not None:
-            ver = self._version[bid] + 1
-            self._version[bid] = ver
-            self._orphans.append((ver << self.id_bits) | bid)
+        if b.wa_block_hash is not None:
+            self.orphan(b.block_id)
 
     def _orphan_children(self, b: KVCacheBlock) -> None:
         """``b`` is being evicted: its free children can no longer be hit,
