@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class Trace:
 
     def requests_since(self, t: float) -> int:
         """How many requests arrive at or after ``t`` (the requests are in arrival order)."""
-        return len(self.requests) - bisect_left([r.arrival for r in self.requests], t)
+        return len(self.requests) - bisect_left(self.requests, t, key=attrgetter("arrival"))
 
     def split_warning(self, profile_fraction: float) -> str | None:
         """A warning when the profile or evaluation window holds under a tenth
