@@ -470,3 +470,35 @@ def test_checkpoint_keeps_lookup_counts_and_reads_older_checkpoints():
         raw["classes"][0]["data"]["groups"] = bad
         with pytest.raises(CheckpointError):
             parse_checkpoint(raw, max_classes=8)
+
+
+def test_a_state_past_the_readers_cap_is_written_trimmed_and_read_back(saved, tmp_path, monkeypatch, caplog):
+    """The writer wrote whatever the state held: a full finest-class table with
+    a drift cut in every class came to 110 MB, over the reader's 32 MiB, so
+    the next start refused the file and lost everything learned.  Now the
+    smallest cuts, then the smallest classes, are left out to fit."""
+    from vllm_wa.controller import checkpoint
+
+    c, path, _ = saved
+    for key, kc in c._key_classes.items():  # a drift cut in every class of every key
+        kc.extend(c._fine)
+        for j, name in enumerate(kc.names):
+            c._drift_of(key).cut(name, c._bank.sum_rows(kc.rows(j)), 0.0)
+    whole = tmp_path / "whole.json"
+    assert c.save_checkpoint(str(whole))
+    cuts = len(read_checkpoint(str(whole), max_classes=1024).drift_cuts)
+    assert cuts > 4
+    limit = whole.stat().st_size - 2 * len(json.dumps(json.loads(whole.read_text())["drift_cuts"][0]))
+    monkeypatch.setattr(checkpoint, "MAX_CHECKPOINT_BYTES", limit)
+    with caplog.at_level(logging.WARNING):
+        assert c.save_checkpoint(str(path)) and c.checkpoint_failures.count == 0
+    assert "left out" in caplog.text
+    assert path.stat().st_size <= limit
+    kept = read_checkpoint(str(path), max_classes=1024)
+    assert 0 < len(kept.drift_cuts) < cuts and len(kept.classes) == len(c._bank)
+    fresh = controller()
+    assert fresh.load_checkpoint(str(path))
+    # Past what trimming can shed (the parameters alone): a counted failure, the old file kept.
+    monkeypatch.setattr(checkpoint, "MAX_CHECKPOINT_BYTES", 100)
+    assert not c.save_checkpoint(str(path)) and c.checkpoint_failures.count == 1
+    assert path.stat().st_size > 100

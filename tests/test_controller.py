@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from types import SimpleNamespace
@@ -1638,6 +1639,22 @@ def test_a_refit_at_a_clock_that_reads_nan_changes_nothing_and_is_counted():
     now[0] = good + 1.0
     c.refit()
     assert c.errors == 1 and len(c.tracker.watch) == watched
+
+
+def test_a_refit_error_that_repeats_logs_its_traceback_once(caplog):
+    """A clock stuck at NaN failed every refit, and each failure logged a full
+    traceback: one every ``refit_interval_s`` for as long as it lasted.  Each
+    failure is still counted; a new cause is still logged."""
+    now = [math.nan]
+    c = WAController(small_config(), 200, Applied(), EventSink(capacity=1024), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="vllm_wa.controller.controller"):
+        for _ in range(5):
+            c.refit()
+        now[0] = math.inf
+        c.refit()
+    assert c.errors == 6
+    logged = [r for r in caplog.records if "refit failed" in r.getMessage()]
+    assert len(logged) == 2 and all(r.exc_info for r in logged)
 
 
 def test_an_event_whose_time_is_not_finite_is_skipped_and_counted_not_the_batch():

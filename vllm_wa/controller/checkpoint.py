@@ -43,7 +43,7 @@ import json
 import logging
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -276,8 +276,16 @@ def read_checkpoint(path: str, *, max_classes: int) -> Checkpoint | None:
     return parse_checkpoint(data, max_classes=max_classes)
 
 
-def write_checkpoint(path: str, checkpoint: Checkpoint) -> None:
-    """Write atomically; raises ``OSError`` when the file cannot be written.
+def write_checkpoint(path: str, checkpoint: Checkpoint) -> int:
+    """Write atomically, within what :func:`read_checkpoint` accepts; returns
+    how many entries were left out to fit (0 almost always).
+
+    A state over ``MAX_CHECKPOINT_BYTES`` (a full finest-class table with thousands
+    of drift cuts reached 110 MB) would be written and then refused by the
+    next start: the smallest drift cuts are left out first, then the
+    smallest classes (a restart starts those from the prior), so the file
+    stays one the reader takes.  Raises ``OSError`` when the file cannot be
+    written, ``ValueError`` when even the parameters alone do not fit.
 
     Encoded piece by piece in Python (``iterencode``), so the engine's thread
     gets the GIL between pieces, then written at once: ``json.dumps`` is one
@@ -286,9 +294,50 @@ def write_checkpoint(path: str, checkpoint: Checkpoint) -> None:
     ``checkpoint_interval_s``), and ``json.dump``'s many small writes to a
     text file held it for over 100 ms at the end.
     """
-    text = "".join(_ENCODER.iterencode(checkpoint.to_json()))
+    limit = MAX_CHECKPOINT_BYTES
+    text = _encode(checkpoint.to_json())
+    dropped = 0
+    if len(text) > limit:  # ASCII (the encoder escapes the rest): one character is one byte
+        checkpoint, dropped = _trimmed(checkpoint, len(text) - limit)
+        text = _encode(checkpoint.to_json())
+        if len(text) > limit:
+            raise ValueError(f"a checkpoint of {len(text)} bytes even without its classes and cuts; at most {limit}")
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(text)
+    return dropped
+
+
+def _encode(obj: Any) -> str:
+    return "".join(_ENCODER.iterencode(obj))
+
+
+def _trimmed(checkpoint: Checkpoint, excess: int) -> tuple[Checkpoint, int]:
+    """``checkpoint`` less its smallest drift cuts, then its smallest classes,
+    enough to shed ``excess`` bytes of its encoding (each entry's own
+    encoding and separator)."""
+    cuts = sorted(range(len(checkpoint.drift_cuts)), key=lambda i: checkpoint.drift_cuts[i][2].n)
+    classes = sorted(range(len(checkpoint.classes)), key=lambda i: checkpoint.classes[i][1].n)
+    drop_cuts: set[int] = set()
+    drop_classes: set[int] = set()
+    sep = len(_ENCODER.item_separator)
+    for i in cuts:
+        if excess <= 0:
+            break
+        key, name, data = checkpoint.drift_cuts[i]
+        excess -= len(_encode({"key": list(key), "class": name, "data": data.state()})) + sep
+        drop_cuts.add(i)
+    for i in classes:
+        if excess <= 0:
+            break
+        comps, data = checkpoint.classes[i]
+        excess -= len(_encode({"components": list(comps), "data": data.state()})) + sep
+        drop_classes.add(i)
+    kept = replace(
+        checkpoint,
+        classes=tuple(c for i, c in enumerate(checkpoint.classes) if i not in drop_classes),
+        drift_cuts=tuple(c for i, c in enumerate(checkpoint.drift_cuts) if i not in drop_cuts),
+    )
+    return kept, len(drop_cuts) + len(drop_classes)
 
 
 # json.dumps's defaults; ``iterencode`` without ``_one_shot`` runs the Python encoder.
@@ -302,6 +351,17 @@ class CheckpointFailures:
     count: int = 0
     last_error: str = ""
     _warned: set[tuple[str, Any]] = field(default_factory=set, repr=False)
+
+    def trimmed(self, path: str, dropped: int) -> None:
+        """A write that left ``dropped`` entries out to fit the reader's cap: warned once."""
+        if ("trimmed", None) in self._warned:
+            logger.debug("vllm-wa: checkpoint %s left out %d entries to fit", path, dropped)
+            return
+        self._warned.add(("trimmed", None))
+        logger.warning(
+            "vllm-wa: checkpoint %s left out its %d smallest drift cuts and classes to stay within %d bytes "
+            "(a restart starts those from the prior; not logged again)", path, dropped, MAX_CHECKPOINT_BYTES,
+        )
 
     def record(self, path: str, error: BaseException) -> None:
         self.count += 1

@@ -260,6 +260,7 @@ class WAController:
         self.swaps = 0
         self.errors = 0
         self.last_error = ""
+        self._refit_causes: set[tuple[str, str]] = set()  # logged with a traceback already
         self.last_refit: float | None = None
         self.last_swap: float | None = None
         self.refit_seconds = 0.0
@@ -583,7 +584,17 @@ class WAController:
         except Exception as e:  # noqa: BLE001 - the job must keep running
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
-            logger.exception("vllm-wa controller refit failed; keeping the last good parameters")
+            # With its traceback once per cause: one that repeats (a clock stuck
+            # at NaN) would log one every refit_interval_s for as long as it lasts.
+            cause = (type(e).__name__, str(e)[:200])
+            if cause in self._refit_causes or len(self._refit_causes) >= 64:
+                logger.debug("vllm-wa controller refit failed again (%d errors): %s", self.errors, self.last_error)
+            else:
+                self._refit_causes.add(cause)
+                logger.exception(
+                    "vllm-wa controller refit failed; keeping the last good parameters "
+                    "(counted in vllm_wa_controller_errors; this cause is not logged again)"
+                )
         finally:
             self.refit_seconds = time.perf_counter() - t0
 
@@ -1023,10 +1034,12 @@ class WAController:
             self._saved_cuts(),
         )
         try:
-            write_checkpoint(path, ckpt)
+            dropped = write_checkpoint(path, ckpt)
         except (OSError, ValueError) as e:
             self.checkpoint_failures.record(path, e)
             return False
+        if dropped:
+            self.checkpoint_failures.trimmed(path, dropped)
         return True
 
     def _saved_cuts(self) -> tuple[tuple[tuple[str, ...], str, SurvivalData], ...]:
