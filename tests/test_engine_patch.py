@@ -1082,6 +1082,34 @@ def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_pre
     assert h.hook_errors == 0
 
 
+def test_a_preempted_request_looked_up_again_then_aborted_finishes_as_one_that_held_blocks(clock):
+    """The scheduler looks a preempted request up again each time it tries to
+    resume it; when that allocation fails and the client then aborts, the
+    request finished as one that never held blocks (no tag in its finish,
+    no tips: its next turn read as a new conversation), though its prompt
+    was in the cache until the preemption, as in the test above."""
+    m = make_manager(60)
+    sink = EventSink(capacity=1000)
+    h = install_wa_queue(m.block_pool, clock=clock, sink=sink, conversations=ConversationTracker())
+    p1 = tokens(0, 3)
+    r1 = make_request("r1", p1, tag="chat")
+    run_prefill(m, r1)
+    clock.advance(1)
+    finish(m, r1, RequestStatus.PREEMPTED)
+    r1.num_computed_tokens = 0
+    m.get_computed_blocks(r1)  # the resume is tried: a lookup, then no allocation
+    clock.advance(1)
+    finish(m, r1, RequestStatus.FINISHED_ABORTED)
+    finished = [e for e in sink.drain() if e.kind == EventKind.FINISHED]
+    assert len(finished) == 1 and finished[0].request is not None and finished[0].request.tag == "chat"
+    clock.advance(5)
+    r2 = make_request("r2", p1[: 3 * BS] + tokens(1000, 3))
+    run_prefill(m, r2)
+    timing = h.tagger._looked_up["r2"].timing
+    assert (timing.turn, timing.think_s) == (2, 5.0)
+    assert h.hook_errors == 0
+
+
 def _cached_system_prompt(clock, blocks: int = 3, **manager_kwargs) -> tuple[Any, Any, list[int]]:
     """A real manager with the WA queue and a tracker, a system prompt of
     ``blocks`` whole blocks cached by another user's finished request, and

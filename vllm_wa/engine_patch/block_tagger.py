@@ -125,6 +125,9 @@ class _Lookup:
     timing: TurnTiming | None  # None without a conversation tracker
     tips: tuple  # ConversationTracker.tips_of its prompt
     prompt_blocks: int
+    # Looked up again after a preemption: it held blocks until then, whether
+    # or not the resume finds room (``forget``).
+    resumed: bool = False
 
 
 class BlockTagger:
@@ -331,6 +334,7 @@ class BlockTagger:
             return
         resumed = self._preempted.pop(rid, None)
         if resumed is not None:
+            resumed.resumed = True
             self._looked_up[rid] = resumed
             return
         if now is None:
@@ -799,11 +803,16 @@ class BlockTagger:
 
         One preempted before it was aborted did hold blocks (it released them
         at its preemption, filed under its tag): it finishes as filed there,
-        not as one that held none, so the real-cache check keeps its hits.
+        not as one that held none, so the real-cache check keeps its hits,
+        and its prompt's tips stay, whether or not the scheduler looked it up
+        again to resume it.
         """
         tag = self._live_tags.pop(request_id, None)
         preempted = self._preempted.pop(request_id, None)
-        if self._looked_up.pop(request_id, None) is None and preempted is None:
+        look = self._looked_up.pop(request_id, None)
+        if look is not None and look.resumed:
+            preempted = look  # looked up again to resume, and aborted before it found room
+        if look is None and preempted is None:
             return
         t = self.queue.clock() if now is None else now
         self._finish_turn(preempted, t)  # a preempted one's prompt was in the cache
