@@ -230,6 +230,20 @@ def test_toml_default_equals_bailian_a() -> None:
     assert all(isinstance(c, SynthClass) for c in cfg.classes)
 
 
+def test_the_shared_templates_config_reads_and_makes_mostly_single_turn_templated_traffic() -> None:
+    """configs/synth-shared-templates.toml (docs/results.md, "Frequency") is
+    read as written: its two classes, and a short trace of it is mostly
+    single-turn requests whose prompts start with one of its templates."""
+    cfg = SynthConfig.from_toml(str(CONFIG_TOML.with_name("synth-shared-templates.toml")))
+    assert [(c.name, c.share, c.system_prompts, c.system_prompt_tokens) for c in cfg.classes] == [
+        ("text", 0.8, 300, 2500), ("file", 0.2, 20, 800),
+    ]
+    recs = list(generate(replace(cfg, duration_s=600.0)))
+    assert recs and sum(r["turn"] == 1 for r in recs) > 0.7 * len(recs)
+    firsts = Counter(tuple(r["hash_ids"][:150]) for r in recs if r["type"] == "text" and len(r["hash_ids"]) > 150)
+    assert firsts.most_common(1)[0][1] > 10  # the most popular template's blocks, shared
+
+
 def test_synth_refuses_an_output_it_cannot_write_before_generating(tmp_path, monkeypatch):
     from vllm_wa import cli
     from vllm_wa.replay import synth

@@ -43,7 +43,7 @@ with a batch-means standard error.
   (standard error 0.3 to 0.5) from t = 2,300 s, and the mixture bar kept
   the real cache on LRU to the end.  A young window (the held-out failure)
   still faces the mixture boundary, and when it leaves LRU that boundary's
-  error is split among the candidates (Bonferroni: 0.05 / 9 for the nine
+  error is split among the candidates (Bonferroni: 0.05 / 10 for the ten
   defaults), since the move picks the best of them: on the no-signal
   trace's seed 9 the reuse-and-growth candidate, which reads the turn count
   there through the prompt's growth, cleared the per-candidate bar on a
