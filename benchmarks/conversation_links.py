@@ -78,7 +78,7 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
             n_hit += 1
         tracker.expire(now)
         found = tracker.continued(hashes)  # before the lookup resolves it
-        timing, tips = tracker.open_turn(hashes, n_hit, now, None if as_served else full)
+        timing = tracker.lookup(hashes, n_hit, now)
         before = req.conversation in seen_conversations
         if found is None:
             counts.missed += before
@@ -91,6 +91,7 @@ def measure(trace: Trace, as_served: bool = False, lifetime: LifetimeModel | Non
             counts.false += 1
         seen_conversations.add(req.conversation)
         cached.update(hashes)
+        tips = tracker.tips_of(hashes, n_hit, None if as_served else full, timing.start)
         heapq.heappush(finishing, (float(finish[serial]), serial, timing, tips, len(hashes), req.conversation))
     return counts
 

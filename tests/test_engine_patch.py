@@ -1265,44 +1265,8 @@ def test_the_earlier_tip_serves_one_continuation_so_a_system_prompt_computed_col
         turns.append(timing.turn)
         t.finished(timing, t.tips_of(hashes, 3), 4, 10.0 * i + 1)
     assert turns == [2, 1, 1]
-    # Its last block stays a tip for its own turn 2, once: a first turn's tips
-    # serve one continuation each (the next test).
-    assert [t.lookup([*system, "u0", f"v{k}"], 4, 50.0).turn for k in range(3)] == [2, 1, 1]
-
-
-def test_a_first_turn_whose_full_blocks_are_a_system_prompt_misleads_one_user_not_every_one():
-    """A first request computed the system prompt on a cold cache (or after an
-    eviction) with a message too short to fill a block past it: its last full
-    block, the system prompt's, was a tip for every continuation, so every
-    later user's first request on that system prompt read as its next turn
-    (turn 2, 3, ... with another user's think time) for the tip's lifetime.
-    A first turn's tips now serve one continuation each, and a continuation
-    leaves no tip before its own blocks (it re-filed the shared block)."""
-    t = ConversationTracker()
-    system = ["s1", "s2", "s3"]
-    timing, tips = t.open_turn(system, 0, 0.0)  # its message is in a partial block: not hashed
-    assert tips == ("s2", "s3")
-    t.finished(timing, tips, 3, 1.0)
-    turns = []
-    for i in range(1, 5):
-        hashes = [*system, f"u{i}", f"w{i}"]
-        timing, tips = t.open_turn(hashes, 3, 10.0 * i)
-        turns.append(timing.turn)
-        t.finished(timing, tips, 5, 10.0 * i + 1)
-    assert turns == [2, 2, 1, 1]  # the two tips, one continuation each
-    # A short-message user that continues one leaves no tip on the shared blocks.
-    t2 = ConversationTracker()
-    t2.finished(*t2.open_turn(system, 0, 0.0), 3, 1.0)
-    timing, tips = t2.open_turn([*system], 3, 5.0)
-    assert timing.turn == 2 and tips == ()
-    # A later turn's last block still serves every continuation (branches, retries).
-    t3 = ConversationTracker()
-    first = ["a1", "a2", "a3"]
-    t3.finished(*t3.open_turn(first, 0, 0.0), 3, 1.0)
-    second = [*first, "b1", "b2"]
-    timing, tips = t3.open_turn(second, 3, 2.0)
-    t3.finished(timing, tips, 5, 3.0)
-    assert [t3.lookup([*second, f"c{k}"], 5, 4.0).turn for k in range(3)] == [3, 3, 3]
+    # The last block stays a tip for every continuation (branches, retries).
+    assert [t.lookup([*system, "u0", f"v{k}"], 4, 50.0).turn for k in range(3)] == [2, 2, 2]
 
 
 def test_a_tip_whose_hashes_a_later_tip_took_over_is_censored_unless_continued():

@@ -343,7 +343,8 @@ class BlockTagger:
         timing = None
         if convs is not None:
             cached = len(hit_blocks) if cached_blocks is None else cached_blocks
-            timing, tips = convs.open_turn(block_hashes, cached, now, full_blocks)
+            timing = convs.lookup(block_hashes, cached, now)
+            tips = convs.tips_of(block_hashes, cached, full_blocks, timing.start)
             self._looked_up[rid] = _Lookup(now, timing, tips, len(block_hashes))
         else:
             self._looked_up[rid] = _Lookup(now, None, (), len(block_hashes))

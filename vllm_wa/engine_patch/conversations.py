@@ -108,19 +108,6 @@ class ConversationTracker:
 
     def lookup(self, hashes: Sequence[Any], n_hit: int, now: float) -> TurnTiming:
         """The timing of a prompt with block ``hashes``, ``n_hit`` of them cached."""
-        return self._link(hashes, n_hit, now)[0]
-
-    def open_turn(
-        self, hashes: Sequence[Any], n_hit: int, now: float, full_blocks: int | None = None
-    ) -> tuple[TurnTiming, tuple]:
-        """:meth:`lookup`, and the tips the prompt leaves when it finishes
-        (:meth:`tips_of`, from where its own blocks start: past the tip it
-        continues, so a turn with no full block of its own past it leaves none)."""
-        timing, own_from = self._link(hashes, n_hit, now)
-        return timing, self.tips_of(hashes, n_hit, full_blocks, own_from)
-
-    def _link(self, hashes: Sequence[Any], n_hit: int, now: float) -> tuple[TurnTiming, int]:
-        """The prompt's timing, and where its own blocks start."""
         # Tips past max_age_s are censored, not continued, even after a stretch
         # with no finish (which is where they are otherwise expired).
         self.expire(now)
@@ -132,35 +119,28 @@ class ConversationTracker:
             # every block cached has none (``start == n``: no tip, no chain).
             start = min(n_hit, n)
             key = self.key_of(hashes[min(start, n - 1)]) if n else 0
-            return TurnTiming(key, start, 1, None, None), start
-        h, prev, at = found
-        p = prev.timing
-        if h == prev.once or p.turn == 1:
-            # A first turn's last full block may be a shared system prompt's
-            # (its message did not fill a block past it, and it computed the
-            # system prompt on a cold cache), which every other user's first
-            # request holds too: each of its tips serves one continuation, not
-            # every such user for the tip's lifetime.
+            return TurnTiming(key, start, 1, None, None)
+        h, prev = found
+        if h == prev.once:
             del self.tips[h]
             prev.held -= 1
         self.counters.continuations += 1
         think = max(0.0, now - prev.finished)
         prev.resolved = True
+        p = prev.timing
         growth = (n - prev.prompt_blocks) / max(1, prev.prompt_blocks)
-        return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth), max(p.start, at + 1)
+        return TurnTiming(p.conversation, p.start, p.turn + 1, think, growth)
 
-    def continued(self, hashes: Sequence[Any]) -> tuple[Any, _Tip, int] | None:
-        """The tip a prompt of block ``hashes`` continues, the hash that found
-        it and that hash's position, None for none; reads only (``lookup``
-        resolves it)."""
+    def continued(self, hashes: Sequence[Any]) -> tuple[Any, _Tip] | None:
+        """The tip a prompt of block ``hashes`` continues and the hash that
+        found it, None for none; reads only (``lookup`` resolves it)."""
         tips = self.tips
         if tips:
             get = tips.get
-            last = len(hashes) - 1
-            for j, h in enumerate(islice(reversed(hashes), self.max_scan)):
+            for h in islice(reversed(hashes), self.max_scan):
                 tip = get(h)
                 if tip is not None:
-                    return h, tip, last - j
+                    return h, tip
         return None
 
     @staticmethod
