@@ -29,6 +29,19 @@ turn 2, which reads as a new conversation instead.  A later turn's last full
 block is its conversation's own even when cached (vLLM caches the reply's
 blocks too), and stays a tip.
 
+A known mislink, kept because undoing it measured worse: a first request
+that computed a shared system prompt itself (a cold cache, or after an
+eviction) with a message too short to fill a block past it leaves the
+system prompt's last block as its last tip, so every later first request on
+that system prompt reads as its next turn (another user's think time, a
+turn count that climbs) until the tip ages out.  Making a first turn's tips
+serve one continuation each, and leaving no tip before a continuation's own
+blocks, fixed that, and cost Mooncake's conversation trace (512-token
+blocks, where such links join the requests that share a document) up to
+1.57 points at 10 % (docs/results.md, "Frequency"); the tuner weighs the
+features by measurement, so a mislink costs what the features it skews were
+worth, and LRU stays the floor.
+
 A tip that ages out, is pushed out of the bounded index, or whose hashes a
 later prompt's tips take over, without a continuation, is counted as
 censored (``counters``).

@@ -670,7 +670,13 @@ class WorkloadAwareFreeQueue:
     @staticmethod
     def _first(keys: dict[int, tuple[float, float]]) -> int:
         """The class to evict from first: the lowest score, the oldest stamp among
-        the heads that tie with it (within ``_SCORE_TIE``)."""
+        the heads that tie with it (within ``_SCORE_TIE``).
+
+        Heads with the very same stamp that tie are equivalent, and their order
+        is not defined: the exact scores' last bits decide, or the class order
+        when a third, newer head scores lowest (a differential fuzz found it;
+        it moves no hit).
+        """
         best = min(keys, key=keys.__getitem__)
         low, stamp = keys[best]
         for c, (score, s) in keys.items():
