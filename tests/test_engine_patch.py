@@ -1032,12 +1032,20 @@ def test_request_that_does_not_fit_is_reported_finished(clock):
     assert kinds == [(EventKind.LOOKUP, "big"), (EventKind.FINISHED, "big")]
 
 
-def test_a_request_preempted_then_aborted_while_waiting_finishes_as_one_that_held_blocks(clock):
+def _resume_tried(m, r) -> None:
+    """The scheduler tries to resume a preempted request: a lookup, then no room."""
+    r.num_computed_tokens = 0
+    m.get_computed_blocks(r)
+
+
+@pytest.mark.parametrize("relooked", [False, True])
+def test_a_request_preempted_then_aborted_while_waiting_finishes_as_one_that_held_blocks(clock, relooked):
     """Preemption released the request's blocks, filed under its tag; an abort
     while it waits to resume frees nothing more, and vLLM's ``free`` finds no
     blocks. It still held blocks in the real cache, so its finish names what
     it was filed under (a finish naming nothing says it never fitted, and the
-    controller would take back its real-cache check)."""
+    controller would take back its real-cache check). With a resume tried
+    first (looked up again, no room), it finished naming nothing."""
     m = make_manager(40)
     sink = EventSink(capacity=1000)
     install_wa_queue(m.block_pool, clock=clock, sink=sink)
@@ -1046,6 +1054,8 @@ def test_a_request_preempted_then_aborted_while_waiting_finishes_as_one_that_hel
     assert block_ids_of(m, "r")
     clock.advance(1)
     finish(m, r, RequestStatus.PREEMPTED)
+    if relooked:
+        _resume_tried(m, r)
     clock.advance(1)
     finish(m, r, RequestStatus.FINISHED_ABORTED)
     finished = [e for e in sink.drain() if e.kind == EventKind.FINISHED]
@@ -1053,11 +1063,11 @@ def test_a_request_preempted_then_aborted_while_waiting_finishes_as_one_that_hel
     assert finished[0].request is not None and finished[0].request.tag == "chat"
 
 
-@pytest.mark.parametrize("preempted", [False, True])
+@pytest.mark.parametrize("preempted", [False, True, "relooked"])
 def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_preempted_first(clock, preempted):
-    """Turn 2 is aborted (while running, or while waiting after a preemption):
-    its prompt was in the cache all the same, so turn 3 follows it (turn 3,
-    think time from the abort), not turn 1."""
+    """Turn 2 is aborted (while running, or while waiting after a preemption,
+    a resume tried or not): its prompt was in the cache all the same, so turn
+    3 follows it (turn 3, think time from the abort), not turn 1."""
     m = make_manager(60)
     h = install_wa_queue(m.block_pool, clock=clock, conversations=ConversationTracker())
     p1 = tokens(0, 3)
@@ -1072,6 +1082,8 @@ def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_pre
     clock.advance(1)
     if preempted:
         finish(m, r2, RequestStatus.PREEMPTED)
+    if preempted == "relooked":
+        _resume_tried(m, r2)
     clock.advance(1)
     finish(m, r2, RequestStatus.FINISHED_ABORTED)
     clock.advance(6)
@@ -1079,34 +1091,6 @@ def test_an_aborted_turn_is_a_turn_of_its_conversation_whether_or_not_it_was_pre
     run_prefill(m, r3)
     timing = h.tagger._looked_up["r3"].timing
     assert (timing.turn, timing.think_s) == (3, 6.0)
-    assert h.hook_errors == 0
-
-
-def test_a_preempted_request_looked_up_again_then_aborted_finishes_as_one_that_held_blocks(clock):
-    """The scheduler looks a preempted request up again each time it tries to
-    resume it; when that allocation fails and the client then aborts, the
-    request finished as one that never held blocks (no tag in its finish,
-    no tips: its next turn read as a new conversation), though its prompt
-    was in the cache until the preemption, as in the test above."""
-    m = make_manager(60)
-    sink = EventSink(capacity=1000)
-    h = install_wa_queue(m.block_pool, clock=clock, sink=sink, conversations=ConversationTracker())
-    p1 = tokens(0, 3)
-    r1 = make_request("r1", p1, tag="chat")
-    run_prefill(m, r1)
-    clock.advance(1)
-    finish(m, r1, RequestStatus.PREEMPTED)
-    r1.num_computed_tokens = 0
-    m.get_computed_blocks(r1)  # the resume is tried: a lookup, then no allocation
-    clock.advance(1)
-    finish(m, r1, RequestStatus.FINISHED_ABORTED)
-    finished = [e for e in sink.drain() if e.kind == EventKind.FINISHED]
-    assert len(finished) == 1 and finished[0].request is not None and finished[0].request.tag == "chat"
-    clock.advance(5)
-    r2 = make_request("r2", p1[: 3 * BS] + tokens(1000, 3))
-    run_prefill(m, r2)
-    timing = h.tagger._looked_up["r2"].timing
-    assert (timing.turn, timing.think_s) == (2, 5.0)
     assert h.hook_errors == 0
 
 
