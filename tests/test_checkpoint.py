@@ -486,18 +486,31 @@ def test_a_state_past_the_readers_cap_is_written_trimmed_and_read_back(saved, tm
             c._drift_of(key).cut(name, c._bank.sum_rows(kc.rows(j)), 0.0)
     whole = tmp_path / "whole.json"
     assert c.save_checkpoint(str(whole))
-    cuts = len(read_checkpoint(str(whole), max_classes=1024).drift_cuts)
+    all_cuts = read_checkpoint(str(whole), max_classes=1024).drift_cuts
+    cuts = len(all_cuts)
     assert cuts > 4
     limit = whole.stat().st_size - 2 * len(json.dumps(json.loads(whole.read_text())["drift_cuts"][0]))
     monkeypatch.setattr(checkpoint, "MAX_CHECKPOINT_BYTES", limit)
     with caplog.at_level(logging.WARNING):
         assert c.save_checkpoint(str(path)) and c.checkpoint_failures.count == 0
-    assert "left out" in caplog.text
+    assert "left out" in caplog.text and c.state()["checkpoint_trims"] == 1
     assert path.stat().st_size <= limit
     kept = read_checkpoint(str(path), max_classes=1024)
     assert 0 < len(kept.drift_cuts) < cuts and len(kept.classes) == len(c._bank)
+    # The smallest cuts went: every one kept holds at least what any left out held.
+    kept_n = sorted(d.n for _, _, d in kept.drift_cuts)
+    gone_n = sorted(d.n for _, _, d in all_cuts)[: len(all_cuts) - len(kept.drift_cuts)]
+    assert max(gone_n) <= min(kept_n)
+    assert controller().load_checkpoint(str(path))
+    # Tighter: every cut and the smallest classes go; the rest still reads back.
+    no_cuts = len(json.dumps({k: v for k, v in json.loads(whole.read_text()).items() if k != "drift_cuts"}))
+    monkeypatch.setattr(checkpoint, "MAX_CHECKPOINT_BYTES", no_cuts - 300)
+    assert c.save_checkpoint(str(path)) and path.stat().st_size <= no_cuts - 300
+    kept = read_checkpoint(str(path), max_classes=1024)
+    assert not kept.drift_cuts and 0 < len(kept.classes) < len(c._bank)
     fresh = controller()
-    assert fresh.load_checkpoint(str(path))
+    assert fresh.load_checkpoint(str(path)) and len(fresh._bank) == len(kept.classes)
+    assert c.state()["checkpoint_trims"] == 2 and caplog.text.count("left out") == 1  # warned once
     # Past what trimming can shed (the parameters alone): a counted failure, the old file kept.
     monkeypatch.setattr(checkpoint, "MAX_CHECKPOINT_BYTES", 100)
     assert not c.save_checkpoint(str(path)) and c.checkpoint_failures.count == 1

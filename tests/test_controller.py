@@ -1641,10 +1641,12 @@ def test_a_refit_at_a_clock_that_reads_nan_changes_nothing_and_is_counted():
     assert c.errors == 1 and len(c.tracker.watch) == watched
 
 
-def test_a_refit_error_that_repeats_logs_its_traceback_once(caplog):
+def test_a_refit_error_that_repeats_logs_its_traceback_once(caplog, monkeypatch):
     """A clock stuck at NaN failed every refit, and each failure logged a full
     traceback: one every ``refit_interval_s`` for as long as it lasted.  Each
-    failure is still counted; a new cause is still logged."""
+    failure is still counted; a cause is the error's type and the line that
+    raised it (a message may carry values: NaN, then inf, is one cause), and
+    a new cause is still logged."""
     now = [math.nan]
     c = WAController(small_config(), 200, Applied(), EventSink(capacity=1024), clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="vllm_wa.controller.controller"):
@@ -1652,9 +1654,19 @@ def test_a_refit_error_that_repeats_logs_its_traceback_once(caplog):
             c.refit()
         now[0] = math.inf
         c.refit()
-    assert c.errors == 6
+        now[0] = 10.0
+
+        def broken(now: float) -> None:
+            raise RuntimeError(f"at {now}")
+
+        monkeypatch.setattr(c, "_refit", broken)
+        c.refit()
+        now[0] = 20.0
+        c.refit()
+    assert c.errors == 8
     logged = [r for r in caplog.records if "refit failed" in r.getMessage()]
     assert len(logged) == 2 and all(r.exc_info for r in logged)
+    assert [r.exc_info[0] for r in logged] == [ValueError, RuntimeError]
 
 
 def test_an_event_whose_time_is_not_finite_is_skipped_and_counted_not_the_batch():

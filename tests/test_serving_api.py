@@ -314,6 +314,7 @@ def test_engine_totals_are_counters_and_labels_are_bounded(engine):
         http.get("/wa/params", headers=AUTH)
     fams = scrape(snapshots)
     for name in ("vllm_wa_param_swaps", "vllm_wa_refits", "vllm_wa_controller_errors", "vllm_wa_checkpoint_errors",
+                 "vllm_wa_checkpoint_trims",
                  "vllm_wa_events_dropped", "vllm_wa_invalid_tags", "vllm_wa_evicted_blocks", "vllm_wa_freed_blocks",
                  "vllm_wa_prefix_cache_hit_tokens", "vllm_wa_prefix_cache_queried_tokens",
                  "vllm_wa_finest_classes_retired", "vllm_wa_finest_folded_observations"):

@@ -43,7 +43,7 @@ import json
 import logging
 import os
 import stat
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -295,13 +295,31 @@ def write_checkpoint(path: str, checkpoint: Checkpoint) -> int:
     text file held it for over 100 ms at the end.
     """
     limit = MAX_CHECKPOINT_BYTES
-    text = _encode(checkpoint.to_json())
+    doc = checkpoint.to_json()
+    # Each class and cut encoded once, on its own: a state over the cap is
+    # trimmed by leaving pieces out, not by encoding it again.
+    classes = [_encode(c) for c in doc.pop("classes")]
+    cuts = [_encode(c) for c in doc.pop("drift_cuts", ())]
+    head = _encode(doc)
+    text = _joined(head, classes, cuts)
     dropped = 0
     if len(text) > limit:  # ASCII (the encoder escapes the rest): one character is one byte
-        checkpoint, dropped = _trimmed(checkpoint, len(text) - limit)
-        text = _encode(checkpoint.to_json())
+        masses = [data.n for _, data in checkpoint.classes], [data.n for _, _, data in checkpoint.drift_cuts]
+        order = [(1, i) for i in sorted(range(len(cuts)), key=masses[1].__getitem__)]
+        order += [(0, i) for i in sorted(range(len(classes)), key=masses[0].__getitem__)]
+        pieces = (classes, cuts)
+        excess = len(text) - limit
+        gone: set[tuple[int, int]] = set()
+        for kind, i in order:
+            if excess <= 0 and len(text) <= limit:
+                break
+            gone.add((kind, i))
+            excess -= len(pieces[kind][i]) + len(_ENCODER.item_separator)
+            if excess <= 0:  # the estimate says it fits: join and check (a last entry has no separator)
+                text = _joined(head, *([p for j, p in enumerate(pieces[k]) if (k, j) not in gone] for k in (0, 1)))
         if len(text) > limit:
             raise ValueError(f"a checkpoint of {len(text)} bytes even without its classes and cuts; at most {limit}")
+        dropped = len(gone)
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(text)
     return dropped
@@ -311,33 +329,13 @@ def _encode(obj: Any) -> str:
     return "".join(_ENCODER.iterencode(obj))
 
 
-def _trimmed(checkpoint: Checkpoint, excess: int) -> tuple[Checkpoint, int]:
-    """``checkpoint`` less its smallest drift cuts, then its smallest classes,
-    enough to shed ``excess`` bytes of its encoding (each entry's own
-    encoding and separator)."""
-    cuts = sorted(range(len(checkpoint.drift_cuts)), key=lambda i: checkpoint.drift_cuts[i][2].n)
-    classes = sorted(range(len(checkpoint.classes)), key=lambda i: checkpoint.classes[i][1].n)
-    drop_cuts: set[int] = set()
-    drop_classes: set[int] = set()
-    sep = len(_ENCODER.item_separator)
-    for i in cuts:
-        if excess <= 0:
-            break
-        key, name, data = checkpoint.drift_cuts[i]
-        excess -= len(_encode({"key": list(key), "class": name, "data": data.state()})) + sep
-        drop_cuts.add(i)
-    for i in classes:
-        if excess <= 0:
-            break
-        comps, data = checkpoint.classes[i]
-        excess -= len(_encode({"components": list(comps), "data": data.state()})) + sep
-        drop_classes.add(i)
-    kept = replace(
-        checkpoint,
-        classes=tuple(c for i, c in enumerate(checkpoint.classes) if i not in drop_classes),
-        drift_cuts=tuple(c for i, c in enumerate(checkpoint.drift_cuts) if i not in drop_cuts),
-    )
-    return kept, len(drop_cuts) + len(drop_classes)
+def _joined(head: str, classes: list[str], cuts: list[str]) -> str:
+    """The checkpoint's JSON from its encoded head (every other key) and entries."""
+    sep = _ENCODER.item_separator
+    tail = f'{sep}"classes": [{sep.join(classes)}]'
+    if cuts:
+        tail += f'{sep}"drift_cuts": [{sep.join(cuts)}]'
+    return head[:-1] + tail + "}"
 
 
 # json.dumps's defaults; ``iterencode`` without ``_one_shot`` runs the Python encoder.
@@ -350,17 +348,20 @@ class CheckpointFailures:
 
     count: int = 0
     last_error: str = ""
+    trims: int = 0  # writes that left entries out to fit the reader's cap
     _warned: set[tuple[str, Any]] = field(default_factory=set, repr=False)
 
     def trimmed(self, path: str, dropped: int) -> None:
-        """A write that left ``dropped`` entries out to fit the reader's cap: warned once."""
+        """A write that left ``dropped`` entries out to fit the reader's cap: counted, warned once."""
+        self.trims += 1
         if ("trimmed", None) in self._warned:
             logger.debug("vllm-wa: checkpoint %s left out %d entries to fit", path, dropped)
             return
         self._warned.add(("trimmed", None))
         logger.warning(
             "vllm-wa: checkpoint %s left out its %d smallest drift cuts and classes to stay within %d bytes "
-            "(a restart starts those from the prior; not logged again)", path, dropped, MAX_CHECKPOINT_BYTES,
+            "(a restart starts those from the prior; counted in checkpoint_trims, not logged again)",
+            path, dropped, MAX_CHECKPOINT_BYTES,
         )
 
     def record(self, path: str, error: BaseException) -> None:

@@ -95,8 +95,9 @@ def _default_candidates() -> tuple[CandidateSpec, ...]:
         # How often the block was reused, each class a hyperexponential law:
         # frequency is what SLRU and LFU rank by, and where long templates are
         # shared by many single-turn requests it leads (a to-B-like synthetic
-        # trace at 5 %: run alone 44.98 against SLRU's 44.09, where the other
-        # candidates left wa-online at 43.54; docs/results.md, "Frequency").
+        # trace without outcomes at 5 %: tag+reuse run alone 44.98 against
+        # SLRU's 44.09, where the other candidates left wa-online at 43.54;
+        # docs/results.md, "Frequency").
         CandidateSpec(("tag", "outcome", "reuse"), "hyperexponential", "posterior", 10.0),
     )
 

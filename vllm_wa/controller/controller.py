@@ -143,6 +143,14 @@ def start_online(
     return WAController(config, cache_blocks, apply, sink, clock=clock, prior=prior, publish=publish)
 
 
+def _raised_at(e: BaseException) -> str:
+    """Where ``e`` was raised: the innermost frame's file and line."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+
+
 class WAController:
     """Learns per-class reuse models online and drives a live queue.
 
@@ -584,9 +592,10 @@ class WAController:
         except Exception as e:  # noqa: BLE001 - the job must keep running
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
-            # With its traceback once per cause: one that repeats (a clock stuck
-            # at NaN) would log one every refit_interval_s for as long as it lasts.
-            cause = (type(e).__name__, str(e)[:200])
+            # With its traceback once per cause (the error's type and the line that
+            # raised it; its message may carry values): one that repeats (a clock
+            # stuck at NaN) would log one every refit_interval_s while it lasts.
+            cause = (type(e).__name__, _raised_at(e))
             if cause in self._refit_causes or len(self._refit_causes) >= 64:
                 logger.debug("vllm-wa controller refit failed again (%d errors): %s", self.errors, self.last_error)
             else:
@@ -974,6 +983,7 @@ class WAController:
             "last_swap": rnd(self.last_swap),
             "last_error": self.last_error,
             "checkpoint_errors": self.checkpoint_failures.count,
+            "checkpoint_trims": self.checkpoint_failures.trims,
             "last_checkpoint_error": self.checkpoint_failures.last_error,
             "refit_seconds": rnd(self.refit_seconds),
             "events_processed": self.events_processed,

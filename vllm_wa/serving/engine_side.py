@@ -366,6 +366,7 @@ def _live_counters(ewa: EngineWA) -> dict[str, Any]:
         "events_bad_time": ewa.controller.events_bad_time,
         "events_failed": ewa.controller.events_failed,
         "checkpoint_errors": ewa.controller.checkpoint_failures.count,
+        "checkpoint_trims": ewa.controller.checkpoint_failures.trims,
         "finest_classes_retired": ewa.controller.finest_retired,
         "finest_folded": ewa.controller.finest_folded,
         "finest_classes": ewa.controller.finest_classes,

@@ -32,6 +32,10 @@ ENGINE_COUNTERS = {
     "refits": ("vllm_wa_refits", "Controller refits."),
     "errors": ("vllm_wa_controller_errors", "Controller refits that failed (last good parameters kept)."),
     "checkpoint_errors": ("vllm_wa_checkpoint_errors", "Checkpoint writes that failed."),
+    "checkpoint_trims": (
+        "vllm_wa_checkpoint_trims",
+        "Checkpoint writes that left out their smallest drift cuts or classes to stay within the reader's size cap.",
+    ),
     "events_dropped": ("vllm_wa_events_dropped", "Engine events dropped because the event sink was full."),
     "events_bad_time": ("vllm_wa_events_bad_time", "Engine events the controller skipped: their time was NaN or infinite."),
     "finest_classes_retired": (
