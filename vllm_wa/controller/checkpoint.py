@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_wa.controller.cause_log import CauseLog
 from vllm_wa.controller.features import FEATURES, FINEST, FOLDED, TIMING_FEATURES, UNKNOWN
 from vllm_wa.controller.survival import NUM_BINS, SurvivalData
 from vllm_wa.engine_patch.block_tagger import OUTCOMES
@@ -304,25 +305,36 @@ def write_checkpoint(path: str, checkpoint: Checkpoint) -> int:
     text = _joined(head, classes, cuts)
     dropped = 0
     if len(text) > limit:  # ASCII (the encoder escapes the rest): one character is one byte
-        masses = [data.n for _, data in checkpoint.classes], [data.n for _, _, data in checkpoint.drift_cuts]
-        order = [(1, i) for i in sorted(range(len(cuts)), key=masses[1].__getitem__)]
-        order += [(0, i) for i in sorted(range(len(classes)), key=masses[0].__getitem__)]
-        pieces = (classes, cuts)
-        excess = len(text) - limit
-        gone: set[tuple[int, int]] = set()
-        for kind, i in order:
-            if excess <= 0 and len(text) <= limit:
-                break
-            gone.add((kind, i))
-            excess -= len(pieces[kind][i]) + len(_ENCODER.item_separator)
-            if excess <= 0:  # the estimate says it fits: join and check (a last entry has no separator)
-                text = _joined(head, *([p for j, p in enumerate(pieces[k]) if (k, j) not in gone] for k in (0, 1)))
-        if len(text) > limit:
-            raise ValueError(f"a checkpoint of {len(text)} bytes even without its classes and cuts; at most {limit}")
-        dropped = len(gone)
+        text, dropped = _fitted(head, classes, cuts, checkpoint, limit, excess=len(text) - limit)
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(text)
     return dropped
+
+
+def _fitted(
+    head: str, classes: list[str], cuts: list[str], checkpoint: Checkpoint, limit: int, *, excess: int
+) -> tuple[str, int]:
+    """The JSON without its smallest drift cuts, then its smallest classes,
+    within ``limit`` bytes (``excess`` over it whole), and how many entries
+    it left out.
+
+    Each entry left out sheds its text and a separator; once that is enough
+    the kept entries are joined and measured (the last entry of a list has
+    no separator, so one more may have to go)."""
+    kept_classes, kept_cuts = [True] * len(classes), [True] * len(cuts)
+    order = [(kept_cuts, cuts, i) for i in sorted(range(len(cuts)), key=lambda i: checkpoint.drift_cuts[i][2].n)]
+    order += [(kept_classes, classes, i) for i in sorted(range(len(classes)), key=lambda i: checkpoint.classes[i][1].n)]
+    for dropped, (kept, pieces, i) in enumerate(order, 1):
+        kept[i] = False
+        excess -= len(pieces[i]) + len(_ENCODER.item_separator)
+        if excess <= 0:
+            text = _joined(
+                head, [c for c, k in zip(classes, kept_classes) if k], [c for c, k in zip(cuts, kept_cuts) if k]
+            )
+            if len(text) <= limit:
+                return text, dropped
+    size = len(_joined(head, [], []))
+    raise ValueError(f"a checkpoint of {size} bytes even without its classes and cuts; at most {limit}")
 
 
 def _encode(obj: Any) -> str:
@@ -349,15 +361,14 @@ class CheckpointFailures:
     count: int = 0
     last_error: str = ""
     trims: int = 0  # writes that left entries out to fit the reader's cap
-    _warned: set[tuple[str, Any]] = field(default_factory=set, repr=False)
+    _warned: CauseLog = field(default_factory=CauseLog, repr=False)
 
     def trimmed(self, path: str, dropped: int) -> None:
         """A write that left ``dropped`` entries out to fit the reader's cap: counted, warned once."""
         self.trims += 1
-        if ("trimmed", None) in self._warned:
+        if self.trims > 1:
             logger.debug("vllm-wa: checkpoint %s left out %d entries to fit", path, dropped)
             return
-        self._warned.add(("trimmed", None))
         logger.warning(
             "vllm-wa: checkpoint %s left out its %d smallest drift cuts and classes to stay within %d bytes "
             "(a restart starts those from the prior; counted in checkpoint_trims, not logged again)",
@@ -367,11 +378,9 @@ class CheckpointFailures:
     def record(self, path: str, error: BaseException) -> None:
         self.count += 1
         self.last_error = f"{type(error).__name__}: {error}"
-        cause = (type(error).__name__, getattr(error, "errno", None))
-        if cause in self._warned or len(self._warned) >= 64:
+        if not self._warned.first((type(error).__name__, getattr(error, "errno", None))):
             logger.debug("vllm-wa: cannot write checkpoint %s (%d failures): %s", path, self.count, error)
             return
-        self._warned.add(cause)
         logger.warning(
             "vllm-wa: cannot write checkpoint %s: %s (counted in checkpoint_errors; "
             "further failures of this kind are not logged)", path, error,

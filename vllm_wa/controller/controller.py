@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from vllm_wa.controller.calibration import CheckedRequest
+from vllm_wa.controller.cause_log import CauseLog
 from vllm_wa.controller.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -145,10 +147,8 @@ def start_online(
 
 def _raised_at(e: BaseException) -> str:
     """Where ``e`` was raised: the innermost frame's file and line."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 class WAController:
@@ -268,7 +268,7 @@ class WAController:
         self.swaps = 0
         self.errors = 0
         self.last_error = ""
-        self._refit_causes: set[tuple[str, str]] = set()  # logged with a traceback already
+        self._refit_causes = CauseLog()  # logged with a traceback already
         self.last_refit: float | None = None
         self.last_swap: float | None = None
         self.refit_seconds = 0.0
@@ -595,11 +595,9 @@ class WAController:
             # With its traceback once per cause (the error's type and the line that
             # raised it; its message may carry values): one that repeats (a clock
             # stuck at NaN) would log one every refit_interval_s while it lasts.
-            cause = (type(e).__name__, _raised_at(e))
-            if cause in self._refit_causes or len(self._refit_causes) >= 64:
+            if not self._refit_causes.first((type(e).__name__, _raised_at(e))):
                 logger.debug("vllm-wa controller refit failed again (%d errors): %s", self.errors, self.last_error)
             else:
-                self._refit_causes.add(cause)
                 logger.exception(
                     "vllm-wa controller refit failed; keeping the last good parameters "
                     "(counted in vllm_wa_controller_errors; this cause is not logged again)"
