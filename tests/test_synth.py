@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_wa.replay.loaders import load_bailian
-from vllm_wa.replay.synth import SynthConfig, SynthClass, generate, write_trace
+from vllm_wa.replay.loaders import load_bailian, load_mooncake
+from vllm_wa.replay.synth import SynthClass, SynthConfig, as_mooncake, generate, write_trace
 
 CONFIG_TOML = Path(__file__).resolve().parents[1] / "configs" / "synth-bailian-a.toml"
 
@@ -249,9 +249,81 @@ def test_synth_refuses_an_output_it_cannot_write_before_generating(tmp_path, mon
     from vllm_wa.replay import synth
 
     generated = []
-    monkeypatch.setattr(synth, "write_trace", lambda cfg, out: generated.append(out) or 0)
+    monkeypatch.setattr(synth, "write_trace", lambda cfg, out, fmt: generated.append(out) or 0)
     for out, says in ((f"{tmp_path}/", "names a directory"), (str(tmp_path / "no" / "t.jsonl"), "not a writable")):
         with pytest.raises(SystemExit, match=says):
             cli.main(["synth", "--out", out])
     assert generated == []
     assert cli.main(["synth", "--out", str(tmp_path / "t.jsonl")]) == 0 and generated == [str(tmp_path / "t.jsonl")]
+
+
+def _mooncake_blocks_equal(a: list[int], b: list[int], k: int) -> bool:
+    """Whether 512-token block ``k`` of two prompts holds the same tokens after the same prefix."""
+    return a[: 32 * (k + 1)] == b[: 32 * (k + 1)] and len(a[32 * k : 32 * (k + 1)]) == len(b[32 * k : 32 * (k + 1)])
+
+
+def test_mooncake_format_shares_a_block_exactly_when_its_tokens_and_prefix_are_shared() -> None:
+    """Every Mooncake id stands for 32 Bailian blocks and everything before
+    them: two prompts share block k's id iff they share those 16-token ids
+    (a partial last block only with a prompt that ends at the same place)."""
+    cfg = _short(300.0)
+    small = list(generate(cfg))
+    big = list(as_mooncake(iter(small)))
+    assert len(big) == len(small)
+    for s, m in zip(small, big):
+        assert set(m) == {"timestamp", "input_length", "output_length", "hash_ids", "synthetic"}
+        assert m["timestamp"] == round(s["timestamp"] * 1000)
+        assert len(m["hash_ids"]) == math.ceil(s["input_length"] / 512)
+    # Pairs that share a first block (same system prompt), and later turns of one conversation.
+    by_first = defaultdict(list)
+    for i, m in enumerate(big):
+        by_first[m["hash_ids"][0]].append(i)
+    pairs = [(g[0], j) for g in by_first.values() for j in g[1:4]]
+    parent = {s["chat_id"]: i for i, s in enumerate(small)}
+    pairs += [(parent[s["parent_chat_id"]], i) for i, s in enumerate(small) if s["parent_chat_id"] in parent]
+    assert len(pairs) > 100
+    shared_somewhere = 0
+    for i, j in pairs:
+        a, b = small[i]["hash_ids"], small[j]["hash_ids"]
+        ma, mb = big[i]["hash_ids"], big[j]["hash_ids"]
+        for k in range(min(len(ma), len(mb))):
+            assert (ma[k] == mb[k]) == _mooncake_blocks_equal(a, b, k), (i, j, k)
+            shared_somewhere += k > 0 and ma[k] == mb[k]
+    assert shared_somewhere > 100
+
+
+def test_a_mooncake_format_trace_loads_as_a_synthetic_mooncake_trace(tmp_path: Path) -> None:
+    from vllm_wa import cli
+
+    path = tmp_path / "m.jsonl.gz"
+    assert cli.main(["synth", "--duration", "120", "--format", "mooncake", "--out", str(path)]) == 0
+    trace = load_mooncake(str(path))
+    assert trace.synthetic is True and trace.fmt == "mooncake" and trace.block_size == 512
+    recs = _read_lines(path)
+    assert len(trace.requests) == len(recs) > 100
+    assert not trace.conversations and {r.tag for r in trace.requests} == {trace.requests[0].tag}
+    assert max(len(r["hash_ids"]) for r in recs) < max(len(s["hash_ids"]) for s in generate(_short(120.0)))
+
+
+def test_a_mooncake_record_with_a_bad_synthetic_flag_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    good = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    path.write_text(json.dumps({**good, "synthetic": "yes"}) + "\n" + json.dumps(good) + "\n")
+    with pytest.raises(ValueError, match="'synthetic' must be true or false"):
+        load_mooncake(str(path))
+    trace = load_mooncake(str(path), skip_bad=True)
+    assert len(trace.requests) == 1 and trace.synthetic is False
+
+
+def test_the_toolagent_config_reads_and_makes_long_shared_prompts_in_agent_loops() -> None:
+    """configs/synth-toolagent.toml (docs/results.md, "Mooncake-format stress
+    traces"): its two classes, agent loops of several turns, and prompts near
+    the 8.6k tokens Mooncake reports for its tool-and-agent trace."""
+    cfg = SynthConfig.from_toml(str(CONFIG_TOML.with_name("synth-toolagent.toml")))
+    assert [(c.name, c.share, c.turns_mean, c.system_prompt_tokens) for c in cfg.classes] == [
+        ("agent", 0.7, 3.0, 4000), ("tool", 0.3, 1.1, 3000),
+    ]
+    recs = list(generate(replace(cfg, duration_s=900.0)))
+    mean_in = statistics.fmean(r["input_length"] for r in recs)
+    assert 6000 < mean_in < 11000
+    assert sum(r["turn"] > 1 for r in recs if r["type"] == "agent") > 0.4 * sum(r["type"] == "agent" for r in recs)

@@ -323,8 +323,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(cfg, **overrides)
-    n = write_trace(cfg, args.out)
-    print(f"wrote {n} SYNTHETIC Bailian-format requests to {args.out}")
+    n = write_trace(cfg, args.out, args.format)
+    print(f"wrote {n} SYNTHETIC {args.format.capitalize()}-format requests to {args.out}")
     return 0
 
 
@@ -415,9 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_args(p)
     p.set_defaults(fn=cmd_profile)
 
-    p = sub.add_parser("synth", help="write a SYNTHETIC Bailian-format trace")
+    p = sub.add_parser("synth", help="write a SYNTHETIC Bailian- or Mooncake-format trace")
     p.add_argument("--config", help="TOML config (default: calibrated to Bailian trace A)")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--format",
+        choices=("bailian", "mooncake"),
+        default="bailian",
+        help="bailian: 16-token blocks, types and conversation ids; mooncake: 512-token blocks, neither",
+    )
     p.add_argument("--duration", type=float)
     p.add_argument("--seed", type=int)
     p.set_defaults(fn=cmd_synth)

@@ -265,6 +265,14 @@ def bailian_type(typ: str) -> str:
     return NOT_IN_TAG.sub("_", typ)[:_MAX_TYPE_LENGTH]
 
 
+def _synthetic_flag(rec: dict) -> bool:
+    """A record ``vllm-wa synth`` wrote says so (``"synthetic": true``)."""
+    flag = rec.get("synthetic", False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"field 'synthetic' must be true or false, got {short_repr(flag)}")  # noqa: TRY004 - a bad record is a ValueError
+    return flag
+
+
 def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
     """Aliyun Bailian traces (``alibaba-edu/qwen-bailian-usagetraces-anon``).
 
@@ -291,9 +299,7 @@ def load_bailian(path: str, *, skip_bad: bool = False) -> Trace:
             hashes = hash_ids(rec, blocks_for=(n_in, BAILIAN_BLOCK))
             if chat in seen:
                 raise ValueError(f"chat_id {chat} appears twice (it names one request)")
-            flag = rec.get("synthetic", False)
-            if not isinstance(flag, bool):
-                raise ValueError(f"field 'synthetic' must be true or false, got {short_repr(flag)}")  # noqa: TRY004 - a bad record is a ValueError
+            flag = _synthetic_flag(rec)
         except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
@@ -325,6 +331,7 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
     """Mooncake traces: ``timestamp`` in ms, 512-token blocks, one class."""
     reqs: list[TraceRequest] = []
     skipped = 0
+    synthetic = False
     for lineno, line in _json_lines(path):
         try:
             rec = _json_record(line)
@@ -334,11 +341,13 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
             n_in = token_field(rec, "input_length", lo=1)
             n_out = token_field(rec, "output_length")
             hashes = hash_ids(rec, blocks_for=(n_in, MOONCAKE_BLOCK))
+            flag = _synthetic_flag(rec)
         except (ValueError, RecursionError) as e:
             if skip_bad:
                 skipped += 1
                 continue
             raise TraceFormatError.record(f"{path}:{lineno}", str(e)) from None
+        synthetic = synthetic or flag
         reqs.append(
             TraceRequest(
                 request_id=str(lineno),
@@ -348,7 +357,9 @@ def load_mooncake(path: str, *, skip_bad: bool = False) -> Trace:
                 output_tokens=n_out,
             )
         )
-    return _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path)
+    trace = _finish(os.path.basename(path), MOONCAKE_BLOCK, "mooncake", reqs, skipped, path)
+    trace.synthetic = synthetic
+    return trace
 
 
 # ---- agentic-coding conversations -----------------------------------------------------------

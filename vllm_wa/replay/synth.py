@@ -21,6 +21,11 @@ trace as synthetic.
 
 Only the class shares and median reuse gaps of :meth:`SynthConfig.bailian_a`
 are published figures; token lengths, turn counts and spreads are guesses.
+
+:func:`as_mooncake` rewrites the records in Mooncake's format (512-token
+blocks, millisecond timestamps, no workload type and no conversation ids),
+so the same traffic can be replayed with only what a Mooncake trace tells a
+policy: Mooncake's tool-and-agent trace, for one, is not here.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_wa.fileio import atomic_write, opener_for, read_toml
+from vllm_wa.replay.loaders import MOONCAKE_BLOCK
 from vllm_wa.validation import check_number
 
 BLOCK_TOKENS = 16  # Bailian hash_ids are per 16-token block
+FORMATS = ("bailian", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -324,19 +331,51 @@ def generate(config: SynthConfig) -> Iterator[dict]:
             seq += 1
 
 
-def write_trace(config: SynthConfig, path: str) -> int:
+def as_mooncake(records: Iterator[dict]) -> Iterator[dict]:
+    """Bailian records as Mooncake records: 512-token blocks, ms, no type or ids.
+
+    A 512-token block is 32 of the 16-token blocks; its id names it together
+    with its prefix (the id of the block before it and its own 32 ids), so
+    two prompts share a Mooncake block exactly when they share its tokens and
+    everything before them.  The last block may be partial, as in Mooncake's
+    traces (``ceil(input_length / 512)`` ids).  The id table holds one entry
+    per distinct block, as the trace itself does.
+    """
+    per = MOONCAKE_BLOCK // BLOCK_TOKENS
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}
+    for rec in records:
+        small = rec["hash_ids"]
+        prev = -1
+        out = []
+        for i in range(0, len(small), per):
+            prev = ids.setdefault((prev, tuple(small[i : i + per])), len(ids))
+            out.append(prev)
+        yield {
+            "timestamp": round(rec["timestamp"] * 1000),
+            "input_length": rec["input_length"],
+            "output_length": rec["output_length"],
+            "hash_ids": out,
+            "synthetic": True,
+        }
+
+
+def write_trace(config: SynthConfig, path: str, fmt: str = "bailian") -> int:
     """Write :func:`generate`'s records as JSON lines, compressed as the name
-    says (.gz, .xz, .bz2; the loaders read those by name too).
+    says (.gz, .xz, .bz2; the loaders read those by name too), in ``fmt``:
+    ``bailian`` or ``mooncake`` (:func:`as_mooncake`).
 
     Written to a temporary file and renamed, so a failed run leaves no
     partial trace behind.  Returns the number of records.
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"trace format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    records = generate(config) if fmt == "bailian" else as_mooncake(generate(config))
     n = 0
     opener = opener_for(path)
     level = {"compresslevel": 6} if opener is gzip.open else {}
     with atomic_write(path, "wt", opener=opener, encoding="utf-8", **level) as f:
         dumps = json.JSONEncoder(separators=(",", ":")).encode
-        for rec in generate(config):
+        for rec in records:
             f.write(dumps(rec))
             f.write("\n")
             n += 1
