@@ -244,6 +244,30 @@ def test_replacement_leaves_only_a_candidate_that_trails_the_field():
         assert tuner.switches[-1].reason == "replace" and tuner.demotions == 0
 
 
+def test_a_lasting_lead_replaces_the_second_best_where_the_field_does_not_suit_the_traffic():
+    """a runs, b leads it by six points, and c, d, e (keys that do not suit
+    this traffic) read what LRU reads: the others' median (c, d, e) never
+    leads a, so the gate alone would keep a for good. b's lead over a full
+    promotion window, at the full window's bar, opens it: the tuner moves
+    to b, by replacement, within the promotion window and a demotion window
+    of the change, on every seed, while the gate itself stays shut."""
+    names = [LRU, "a", "b", "c", "d", "e"]
+    settings = TunerSettings(margin=0.003, window_s=900, demote_window_s=300, batch_s=30, min_requests=200,
+                             min_batches=6)
+    for seed in range(6):
+        tuner = Tuner(names, settings)
+        rng = random.Random(seed)
+        run_unpaired(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30, 0.30, 0.30, 0.30))
+        assert tuner.active == "a"
+        t = change = 1200.0
+        while tuner.active == "a" and t < change + 3600:
+            t = run_unpaired(tuner, rng, t, t + 5.0, (0.30, 0.40, 0.46, 0.30, 0.30, 0.30))
+        assert tuner.active == "b" and tuner.switches[-1].reason == "replace", seed
+        assert t - change <= settings.window_s + settings.demote_window_s, (seed, t - change)
+        # What the gate saw of a at the move: the others' median behind it.
+        assert tuner.hits.compare_median(["b", "c", "d", "e"], "a", t - settings.demote_window_s).lead < 0
+
+
 def test_replacement_takes_the_largest_measured_lead_among_those_that_clear_its_bar():
     """b and c both beat the running a over the demotion window: c by a steady
     5 points (its bound is its lead), b by 15 points on average but unevenly.
