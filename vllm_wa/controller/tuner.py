@@ -591,9 +591,12 @@ class Tuner:
             if cmp.batches < 3:
                 continue
             lb = cmp.lower(self._replace_quantile(cmp.batches))
-            if lb > self._margin(name, s.margin) and (best is None or cmp.lead > best[1].lead):
-                if gate or self._lasting_lead(name, now):
-                    best = (name, cmp, lb)
+            if (
+                lb > self._margin(name, s.margin)
+                and (best is None or cmp.lead > best[1].lead)
+                and (gate or self._lasting_lead(name, now))
+            ):
+                best = (name, cmp, lb)
         return best
 
     def _lasting_lead(self, name: str, now: float) -> bool:
