@@ -208,6 +208,16 @@ def run_unpaired(tuner: Tuner, rng: random.Random, t0: float, t1: float, p: tupl
     return t
 
 
+def run_while_running(
+    tuner: Tuner, rng: random.Random, t0: float, p: tuple[float, ...], limit: float = 3600.0
+) -> float:
+    """``run_unpaired`` from ``t0`` while the candidate running at ``t0`` still runs (at most ``limit`` s)."""
+    name, t = tuner.active, t0
+    while tuner.active == name and t < t0 + limit:
+        t = run_unpaired(tuner, rng, t, t + 5.0, p)
+    return t
+
+
 def test_replacement_leaves_only_a_candidate_that_trails_the_field():
     """Candidates a and b equally ahead, c and d a little ahead of LRU: noise
     between a and b moved the tuner on five of eight seeds in two hours with
@@ -235,9 +245,7 @@ def test_replacement_leaves_only_a_candidate_that_trails_the_field():
                                            min_requests=200, min_batches=6))
         rng = random.Random(seed)
         run_unpaired(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30, 0.30, 0.30))
-        t = crossover = 1200.0
-        while tuner.active == "a" and t < crossover + 3600:
-            t = run_unpaired(tuner, rng, t, t + 5.0, (0.30, 0.34, 0.42, 0.36, 0.36))
+        t = run_while_running(tuner, rng, crossover := 1200.0, (0.30, 0.34, 0.42, 0.36, 0.36))
         # Two points behind the others' median: within 300 s on seven seeds of
         # eight, 420 s on one (the mean, four points ahead, took at most 300 s).
         assert tuner.active == "b" and t - crossover <= 450.0
@@ -259,9 +267,7 @@ def test_a_lasting_lead_replaces_the_second_best_where_the_field_does_not_suit_t
         rng = random.Random(seed)
         run_unpaired(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30, 0.30, 0.30, 0.30))
         assert tuner.active == "a"
-        t = change = 1200.0
-        while tuner.active == "a" and t < change + 3600:
-            t = run_unpaired(tuner, rng, t, t + 5.0, (0.30, 0.40, 0.46, 0.30, 0.30, 0.30))
+        t = run_while_running(tuner, rng, change := 1200.0, (0.30, 0.40, 0.46, 0.30, 0.30, 0.30))
         assert tuner.active == "b" and tuner.switches[-1].reason == "replace", seed
         assert t - change <= settings.window_s + settings.demote_window_s, (seed, t - change)
         # What the gate saw of a at the move: the others' median behind it.
@@ -334,9 +340,7 @@ def test_a_poor_candidate_does_not_hold_the_gate_shut():
         run_unpaired(tuner, rng, 0.0, 1200.0, (0.30, 0.40, 0.30, 0.30, 0.30, 0.05))
         assert tuner.active == "a"
         # The others' mean, (0.42 + 0.36 + 0.36 + 0.05) / 4 = 0.2975, is below a's 0.30.
-        t = crossover = 1200.0
-        while tuner.active == "a" and t < crossover + 3600:
-            t = run_unpaired(tuner, rng, t, t + 5.0, (0.30, 0.30, 0.42, 0.36, 0.36, 0.05))
+        t = run_while_running(tuner, rng, crossover := 1200.0, (0.30, 0.30, 0.42, 0.36, 0.36, 0.05))
         assert tuner.active == "b" and t - crossover <= 300.0
         assert tuner.switches[-1].reason == "replace"
 
