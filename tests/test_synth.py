@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_wa.replay.loaders import load_bailian, load_mooncake
+from vllm_wa.replay.loaders import BAILIAN_BLOCK, MOONCAKE_BLOCK, load_bailian, load_mooncake
 from vllm_wa.replay.synth import SynthClass, SynthConfig, as_mooncake, generate, write_trace
 
 CONFIG_TOML = Path(__file__).resolve().parents[1] / "configs" / "synth-bailian-a.toml"
@@ -258,8 +258,10 @@ def test_synth_refuses_an_output_it_cannot_write_before_generating(tmp_path, mon
 
 
 def _mooncake_blocks_equal(a: list[int], b: list[int], k: int) -> bool:
-    """Whether 512-token block ``k`` of two prompts holds the same tokens after the same prefix."""
-    return a[: 32 * (k + 1)] == b[: 32 * (k + 1)] and len(a[32 * k : 32 * (k + 1)]) == len(b[32 * k : 32 * (k + 1)])
+    """Whether 512-token block ``k`` of two prompts holds the same tokens after the same prefix
+    (the same 16-token ids up to its end; a partial block only where both prompts end alike)."""
+    end = (k + 1) * (MOONCAKE_BLOCK // BAILIAN_BLOCK)
+    return a[:end] == b[:end]
 
 
 def test_mooncake_format_shares_a_block_exactly_when_its_tokens_and_prefix_are_shared() -> None:

@@ -14,6 +14,7 @@ from importlib import resources
 from vllm_wa.bench.cli import add_parser as add_bench_serve
 from vllm_wa.controller.config import ControllerConfig
 from vllm_wa.fileio import atomic_write, check_writable
+from vllm_wa.replay import synth
 from vllm_wa.replay.knobs import add_hindsight, tuned_sweep
 from vllm_wa.replay.loaders import FORMATS, AgenticOptions, TraceFormatError, detect_format
 from vllm_wa.replay.parallel import worker_count
@@ -307,13 +308,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from vllm_wa.replay.synth import SynthConfig, write_trace
-
     try:
         check_writable(args.out)  # before the trace is generated, not after
     except ValueError as e:
         raise SystemExit(f"--out: {e}") from None
-    cfg = SynthConfig.from_toml(args.config) if args.config else SynthConfig.bailian_a()
+    cfg = synth.SynthConfig.from_toml(args.config) if args.config else synth.SynthConfig.bailian_a()
     overrides = {}
     if args.duration is not None:
         overrides["duration_s"] = args.duration
@@ -323,7 +322,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(cfg, **overrides)
-    n = write_trace(cfg, args.out, args.format)
+    n = synth.write_trace(cfg, args.out, args.format)
     print(f"wrote {n} SYNTHETIC {args.format.capitalize()}-format requests to {args.out}")
     return 0
 
@@ -420,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument(
         "--format",
-        choices=("bailian", "mooncake"),
+        choices=synth.FORMATS,
         default="bailian",
         help="bailian: 16-token blocks, types and conversation ids; mooncake: 512-token blocks, neither",
     )

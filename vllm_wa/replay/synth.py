@@ -41,10 +41,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_wa.fileio import atomic_write, opener_for, read_toml
-from vllm_wa.replay.loaders import MOONCAKE_BLOCK
+from vllm_wa.replay.loaders import BAILIAN_BLOCK, MOONCAKE_BLOCK
 from vllm_wa.validation import check_number
 
-BLOCK_TOKENS = 16  # Bailian hash_ids are per 16-token block
 FORMATS = ("bailian", "mooncake")
 
 
@@ -255,7 +254,7 @@ def generate(config: SynthConfig) -> Iterator[dict]:
     sys_blocks: list[list[list[int]]] = []  # [class][prompt] -> ids of its full blocks
     cum_weights: list[list[float]] = []
     for c in classes:
-        n_full = c.system_prompt_tokens // BLOCK_TOKENS
+        n_full = c.system_prompt_tokens // BAILIAN_BLOCK
         prompts = []
         for _ in range(c.system_prompts):
             prompts.append(list(range(next_hash, next_hash + n_full)))
@@ -305,9 +304,9 @@ def generate(config: SynthConfig) -> Iterator[dict]:
             n_in = prev_in + prev_out + _lognormal_tokens(rng, mu_turn[i], c.prompt_sigma)
             if n_in > max_in:
                 continue  # context full: the conversation ends
-            prefix = prev_hashes[: prev_in // BLOCK_TOKENS]
+            prefix = prev_hashes[: prev_in // BAILIAN_BLOCK]
             turn = prev_turn + 1
-        n_new = -(-n_in // BLOCK_TOKENS) - len(prefix)
+        n_new = -(-n_in // BAILIAN_BLOCK) - len(prefix)
         hashes = prefix + list(range(next_hash, next_hash + n_new))
         next_hash += n_new
         n_out = _lognormal_tokens(rng, mu_reply[i], c.reply_sigma)
@@ -341,7 +340,7 @@ def as_mooncake(records: Iterator[dict]) -> Iterator[dict]:
     traces (``ceil(input_length / 512)`` ids).  The id table holds one entry
     per distinct block, as the trace itself does.
     """
-    per = MOONCAKE_BLOCK // BLOCK_TOKENS
+    per = MOONCAKE_BLOCK // BAILIAN_BLOCK
     ids: dict[tuple[int, tuple[int, ...]], int] = {}
     for rec in records:
         small = rec["hash_ids"]
